@@ -1,0 +1,139 @@
+"""Kernel sources, NVRTC options and the per-device cache of compiled kernels.
+
+One template in ``kernels/rms_norm.cu``; each (storage type, weight type, fused,
+vector width, threads per row, vectors per thread) is an instantiation, compiled the
+first time a call needs it on a device (CuPy's disk cache keeps the binary across
+processes) and kept here as a launchable function.
+"""
+
+import functools
+import glob
+import os
+import threading
+
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+NVRTC_OPTIONS = ("--std=c++17",)
+_HEADER = "cuda_bf16.h"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source():
+    """The CUDA source text, from the installed package or the source tree."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in (os.path.join(here, "kernels"), os.path.join(os.path.dirname(here), "kernels")):
+        path = os.path.join(folder, "rms_norm.cu")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    raise FileNotFoundError("cupy_rmsnorm: kernels/rms_norm.cu is missing from the installation")
+
+
+def name_expression(dtype, weight_dtype, fused, vec, threads_per_row, vecs_per_thread):
+    """The C++ name of one instantiation, as NVRTC's name_expressions want it."""
+    t = CUDA_TYPES[dtype]
+    w = CUDA_TYPES[weight_dtype or dtype]
+    return (f"rmsnorm::rms_norm_kernel<{t}, {w}, {'true' if fused else 'false'}, "
+            f"{vec}, {threads_per_row}, {vecs_per_thread}>")
+
+
+def _has_header(folder):
+    return folder and os.path.isfile(os.path.join(folder, _HEADER))
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dirs(nvrtc_major=None):
+    """A folder with the CUDA headers (cuda_fp16.h, cuda_bf16.h) for NVRTC.
+
+    NVRTC finds none by itself. Searched in order: CUDA_PATH / CUDA_HOME and the
+    toolkit CuPy found, then the NVIDIA wheels (``nvidia-cuda-runtime-cu12`` lays them
+    in ``nvidia/cuda_runtime/include``, the CUDA 13 wheels in ``nvidia/cu13/include``),
+    preferring headers of NVRTC's own major version.
+    """
+    candidates = []
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "include"))
+    try:
+        import cupy
+        path = cupy.cuda.get_cuda_path()
+        if path:
+            candidates.append(os.path.join(path, "include"))
+    except Exception:  # CuPy without a usable CUDA: the wheels below may still do
+        pass
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            wheels = sorted(glob.glob(os.path.join(root, "cu*", "include")))
+            wheels.append(os.path.join(root, "cuda_runtime", "include"))
+            if nvrtc_major is not None:  # same major as NVRTC first
+                wheels.sort(key=lambda p: f"cu{nvrtc_major}" not in p and not (
+                    nvrtc_major == 12 and "cuda_runtime" in p))
+            candidates.extend(wheels)
+    except ImportError:
+        pass
+    candidates.append("/usr/local/cuda/include")
+    for folder in candidates:
+        if _has_header(folder):
+            return (folder,)
+    return ()
+
+
+def nvrtc_options(nvrtc_major=None):
+    return NVRTC_OPTIONS + tuple("-I" + d for d in cuda_include_dirs(nvrtc_major))
+
+
+class KernelCache:
+    """Compiled kernels per (device, instantiation); thread-safe, compiled once."""
+
+    def __init__(self):
+        self._functions = {}
+        self._lock = threading.Lock()
+
+    def get(self, device_id, expr):
+        key = (device_id, expr)
+        fn = self._functions.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._functions.get(key)
+                if fn is None:
+                    fn = self._functions[key] = _compile(device_id, expr)
+        return fn
+
+    def __len__(self):
+        return len(self._functions)
+
+
+def _compile(device_id, expr):
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=kernel_source(), options=nvrtc_options(nvrtc.getVersion()[0]),
+                                name_expressions=[expr])
+        return module.get_function(expr).kernel  # the cupy.cuda.Function, bound to this device
+
+
+kernels = KernelCache()
+
+
+def compile_offline(exprs, arch):
+    """Compile instantiations with NVRTC for ``arch`` (e.g. "sm_90") without a GPU or driver.
+
+    Used by the CPU tests: CuPy's own compile path asks the device for its
+    architecture, its low-level NVRTC binding does not. Returns the cubin (bytes);
+    raises RuntimeError with NVRTC's log on a compile error.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(kernel_source(), "rms_norm.cu", [], [])
+    try:
+        for e in exprs:
+            nvrtc.addNameExpression(prog, e)
+        opts = list(nvrtc_options(nvrtc.getVersion()[0])) + [f"-arch={arch}", "-ftz=true"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except Exception as err:
+            raise RuntimeError(f"NVRTC failed for {arch}: {err}\n{nvrtc.getProgramLog(prog)}") from None
+        for e in exprs:
+            nvrtc.getLoweredName(prog, e)  # raises if the expression did not instantiate
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
