@@ -59,12 +59,17 @@ class CupyKind:
     @staticmethod
     def empty(shape, like):
         import cupy
-        return cupy.empty(shape, dtype=like.dtype)
+        dev = like.data.device_id
+        if dev == cupy.cuda.runtime.getDevice():
+            return cupy.empty(shape, dtype=like.dtype)
+        with cupy.cuda.Device(dev):  # CuPy allocates on the current device
+            return cupy.empty(shape, dtype=like.dtype)
 
     @staticmethod
     def contiguous(a):
         import cupy
-        return cupy.ascontiguousarray(a)
+        with cupy.cuda.Device(a.data.device_id):
+            return cupy.ascontiguousarray(a)
 
     @staticmethod
     def stream(device):
