@@ -5,19 +5,18 @@ overlap; nothing launched or written on error) -> launch plan -> kernel cache ->
 launch on the caller's stream -> results as the caller's array type.
 """
 
-import functools
-
 import numpy as np
 
 from . import _interop, _validate
 from ._interop import CupyKind, NumpyKind, TorchKind
-from ._kernels import kernels, name_expression
-from ._plan import launch_plan, vector_width
+from ._launcher import Launcher
 from ._reference import fused_add_rms_norm_reference, rms_norm_reference
 
-_LLAMA, _HAS_WEIGHT = 1, 2   # kernel flags (kernels/rms_norm.cu: enum Flags)
 _INPUTS = ("x", "residual")
 _OUTPUTS = ("out", "residual_out")
+_NAMES = ("x", "residual", "weight", "out", "residual_out")
+_MAX_LAUNCHERS = 1024
+_launchers = {}   # call signature -> Launcher (see _launcher.py)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, out=None, weight_offset=0.0, casting_mode="fp32"):
@@ -66,25 +65,49 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, out=None, residual
 
 
 def _call(fused, x, residual, weight, eps, out, residual_out, weight_offset, casting_mode):
-    eps, offset = _validate.check_scalars(eps, weight_offset, casting_mode, weight is not None)
-    named = {"x": x, "residual": residual, "weight": weight, "out": out, "residual_out": residual_out}
-    named = {k: v for k, v in named.items() if v is not None}
-    kind = _interop.kind_of(x, "x")
-    for name, a in named.items():
+    arrays = {"x": x}
+    if residual is not None:
+        arrays["residual"] = residual
+    if weight is not None:
+        arrays["weight"] = weight
+    if out is not None:
+        arrays["out"] = out
+    if residual_out is not None:
+        arrays["residual_out"] = residual_out
+    # Fast path: a signature seen before needs only the pointer-dependent checks.
+    signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
+    launcher = _launchers.get(signature) if signature is not None else None
+    if launcher is not None:
+        result = launcher(arrays)
+        if result is not None:
+            return result
+    return _full_call(fused, arrays, eps, weight_offset, casting_mode, signature)
+
+
+def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
+    """Validate everything, then run (and remember a Launcher for the signature)."""
+    eps, offset = _validate.check_scalars(eps, weight_offset, casting_mode, "weight" in arrays)
+    kind = _interop.kind_of(arrays["x"], "x")
+    for name, a in arrays.items():
         if name != "x" and _interop.kind_of(a, name) is not kind:
             raise TypeError(f"{name} must be the same kind of array as x ({_kind_name(kind)}), "
                             f"got {type(a).__module__}.{type(a).__name__}")
-    foreign = kind == "dlpack"
-    if foreign:  # any CUDA DLPack producer: work on zero-copy CuPy views, return CuPy arrays
-        named = {k: _interop.from_dlpack(v, k) for k, v in named.items()}
-        kind = CupyKind
+    if kind == "dlpack":  # any CUDA DLPack producer: work on zero-copy CuPy views, return CuPy arrays
+        arrays = {k: _interop.from_dlpack(v, k) for k, v in arrays.items()}
+        kind, signature = CupyKind, None
     elif kind is TorchKind:
-        _check_torch(named)
-    metas = {k: kind.meta(v) for k, v in named.items()}
-    _validate.check_arrays(*((k, metas[k]) if k in metas else None
-                             for k in ("x", "residual", "weight", "out", "residual_out")))
-    job = _Job(fused, kind, named, metas, eps, offset, casting_mode)
-    return job.run_numpy() if kind is NumpyKind else job.run_gpu()
+        _check_torch(arrays)
+    metas = {k: kind.meta(v) for k, v in arrays.items()}
+    _validate.check_arrays(*((k, metas[k]) if k in metas else None for k in _NAMES))
+    job = _Job(fused, kind, arrays, metas, eps, offset, casting_mode)
+    if kind is NumpyKind:
+        return job.run_numpy()
+    launcher = job.launcher()
+    if signature is not None and not job.copied:
+        if len(_launchers) >= _MAX_LAUNCHERS:
+            _launchers.clear()
+        _launchers[signature] = launcher
+    return launcher(job.named, checked=True)
 
 
 def _kind_name(kind):
@@ -113,6 +136,7 @@ class _Job:
         self.hidden, self.itemsize = xm.shape[-1], xm.itemsize
         self.inputs = [k for k in _INPUTS if k in metas]
         self.outputs = [k for k in _OUTPUTS if k in metas]
+        self.copied = False
         self._layout_and_copies()
         self._check_overlap()
 
@@ -151,6 +175,7 @@ class _Job:
                             for k, st in zip(order, layout.strides)}
 
     def _copy(self, k):
+        self.copied = True
         self.named[k] = self.kind.contiguous(self.named[k]) if self.kind is not NumpyKind \
             else np.ascontiguousarray(self.named[k])
         self.metas[k] = self.kind.meta(self.named[k])
@@ -201,57 +226,25 @@ class _Job:
         return dest
 
     # -- GPU -----------------------------------------------------------------------------
-    def run_gpu(self):
-        kind, m, n = self.kind, self.metas, self.named
+    def launcher(self):
+        m = self.metas
+        strides = dict(self.row_strides)
         for k in _OUTPUTS[: 2 if self.fused else 1]:
-            if k not in n:
-                n[k] = kind.empty(m["x"].shape, n["x"])
-                m[k] = kind.meta(n[k])
-                self.row_strides[k] = self._contiguous_row_strides()
-        result = (n["out"], n["residual_out"]) if self.fused else n["out"]
-        if self.rows == 0:
-            return result
-        device = m["x"].device
-        arrays = ["x", "residual", "out", "residual_out"] if self.fused else ["x", "out"]
-        px, (xso, xsi) = m["x"].ptr, self.row_strides["x"]
-        vec = vector_width(self.itemsize, [m[k].ptr - px for k in arrays[1:]],
-                           [d * self.itemsize for k in arrays[1:]
-                            for d in (self.row_strides[k][0] - xso, self.row_strides[k][1] - xsi)])
-        plan = _plan_for(self.rows, self.hidden, self.itemsize, vec, device)
+            if k not in strides:  # fresh outputs are allocated contiguous
+                strides[k] = self._contiguous_row_strides()
+        extents = {}
+        for k in self.inputs + self.outputs + (["weight"] if "weight" in m else []):
+            _, _, (lo, hi) = self._span(k)
+            extents[k] = (lo - m[k].ptr, hi - m[k].ptr)
         wm = m.get("weight")
-        expr = name_expression(m["x"].dtype, wm.dtype if wm else None, self.fused, *plan.template_args())
-        fn = kernels.get(device, expr)
-        ptr = lambda k: m[k].ptr if k in m else 0  # noqa: E731
-        st = lambda k: self.row_strides.get(k, (0, 0))  # noqa: E731
-        args = (ptr("x"), ptr("residual"), ptr("out"), ptr("residual_out"), ptr("weight"),
-                self.rows, np.int32(self.hidden), self.n_inner,
-                *st("x"), *st("residual"), *st("out"), *st("residual_out"),
-                np.float32(self.eps), np.float32(self.offset),
-                np.int32((_LLAMA if self.llama else 0) | (_HAS_WEIGHT if wm else 0)))
-        _launch(kind, device, fn, plan, args)
-        return result
+        grad_check = self.kind is TorchKind and any(t.requires_grad for t in self.named.values())
+        return Launcher(self.kind, self.fused, m["x"].device, tuple(m["x"].shape), m["x"].dtype,
+                        self.itemsize, wm.dtype if wm else None, wm.itemsize if wm else 0,
+                        self.rows, self.n_inner, strides, extents, tuple(self.outputs),
+                        self.eps, self.offset, self.llama, grad_check)
 
     def _contiguous_row_strides(self):
         n_outer = self.rows // self.n_inner if self.n_inner else 0
         return (self.hidden * self.n_inner if n_outer > 1 else 0, self.hidden if self.n_inner > 1 else 0)
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan_for(rows, hidden, itemsize, vec, device):
-    return launch_plan(rows, hidden, itemsize, vec, sm_count(device))
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device):
-    import cupy
-    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-
-
-def _launch(kind, device, fn, plan, args):
-    import cupy
-    if cupy.cuda.runtime.getDevice() != device:
-        with cupy.cuda.Device(device):
-            stream = kind.stream(device)
-            fn((plan.grid,), (plan.block,), args, stream=stream)
-    else:
-        fn((plan.grid,), (plan.block,), args, stream=kind.stream(device))

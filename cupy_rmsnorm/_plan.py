@@ -60,13 +60,16 @@ def vector_width(itemsize, pointers, stride_diffs_bytes):
     multiple of the vector size, row by row: ``pointers`` are the other arrays' base
     addresses minus x's, ``stride_diffs_bytes`` their row strides minus x's, in bytes.
     """
-    bits = VECTOR_BYTES
-    for d in pointers:
+    bits = 0
+    for d in list(pointers) + list(stride_diffs_bytes):
         bits |= d
-    for d in stride_diffs_bytes:
-        bits |= d
-    lowest = bits & -bits             # the largest power of two dividing every difference
-    return max(1, min(VECTOR_BYTES, lowest) // itemsize)
+    return vector_width_from_bits(itemsize, bits)
+
+
+def vector_width_from_bits(itemsize, bits):
+    """``vector_width`` given the bitwise OR of all those differences (the launcher's hot path)."""
+    bits |= VECTOR_BYTES
+    return max(1, (bits & -bits) // itemsize)   # largest power of two dividing every difference
 
 
 def launch_plan(rows, hidden, itemsize, vec, sm_count):

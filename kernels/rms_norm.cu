@@ -45,6 +45,18 @@ struct alignas(sizeof(T) * N) Pack {
 
 enum Flags { kLlama = 1, kHasWeight = 2 };
 
+// Everything but the pointers, passed by value as one argument (fewer kernel
+// arguments, less host work per launch). Row r of an array starts at
+// (r / n_inner) * outer_stride + (r % n_inner) * inner_stride elements. The host
+// side mirrors this layout in cupy_rmsnorm/_launcher.py (PARAMS_DTYPE).
+struct Params {
+    long long rows, n_inner;
+    long long x_so, x_si, r_so, r_si, y_so, y_si, ro_so, ro_si;   // outer / inner strides
+    int hidden;
+    float eps, w_offset;
+    int flags;
+};
+
 // Sum over the G lanes of a group (G a power of two, at most 32).
 template <int G>
 __device__ __forceinline__ float group_sum(float v) {
@@ -97,11 +109,11 @@ __device__ __forceinline__ Pack<T, VEC> finish_vec(const Pack<T, VEC>& a, const 
 
 template <typename T, typename W, bool FUSED, int VEC, int G, int NV>
 __global__ void __launch_bounds__(G > 256 ? G : 256, G > 256 ? 1024 / G : 3)
-rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w,
-                long long rows, int hidden, long long n_inner,
-                long long x_so, long long x_si, long long r_so, long long r_si,
-                long long y_so, long long y_si, long long ro_so, long long ro_si,
-                float eps, float w_offset, int flags) {
+rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
+    const long long rows = p.rows, n_inner = p.n_inner;
+    const int hidden = p.hidden;
+    const float eps = p.eps, w_offset = p.w_offset;
+    const int flags = p.flags;
     using VecT = Pack<T, VEC>;
     constexpr int WARPS = G > 32 ? G / 32 : 1;
     __shared__ float warp_sums[2][WARPS];
@@ -118,10 +130,10 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w,
         const long long r = active ? row : 0;
         long long outer = r, inner = 0;
         if (n_inner != 1) { outer = r / n_inner; inner = r - outer * n_inner; }
-        const T* xr = x + outer * x_so + inner * x_si;
-        const T* rr = FUSED ? res + outer * r_so + inner * r_si : nullptr;
-        T* yr = y + outer * y_so + inner * y_si;
-        T* ror = FUSED ? res_out + outer * ro_so + inner * ro_si : nullptr;
+        const T* xr = x + outer * p.x_so + inner * p.x_si;
+        const T* rr = FUSED ? res + outer * p.r_so + inner * p.r_si : nullptr;
+        T* yr = y + outer * p.y_so + inner * p.y_si;
+        T* ror = FUSED ? res_out + outer * p.ro_so + inner * p.ro_si : nullptr;
 
         // Head: elements before x's row reaches a 16-byte boundary (all arrays share
         // that alignment pattern, the launcher made sure).

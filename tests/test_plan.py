@@ -1,0 +1,445 @@
+"""The launcher's pure functions, on the CPU: launch_plan, vector_width, row layout, overlap."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+import cupy_rmsnorm as rn
+from cupy_rmsnorm import _validate
+from cupy_rmsnorm._plan import vector_width
+
+H200_SMS = 132
+A100_SMS = 108
+
+# (rows, hidden, itemsize, vec, sm_count) -> (variant, threads_per_row, vecs_per_thread,
+# rows_per_block, block, grid), worked out by hand from launch_plan's docstring:
+# n = hidden // vec vectors per row; n <= 128: warp variant, group of 8..32 threads with
+# about two vectors each, 256-thread blocks; n <= 4096: a block per row, 64..1024 threads
+# with about two vectors each, at most four; beyond: a 1024-thread streaming block.
+# The grid is ceil(rows / rows_per_block), at least 1, at most 32 blocks per SM.
+PLAN_TABLE = [
+    # short rows: warp variant
+    ((3, 1, 4, 1, H200_SMS), ("warp", 8, 1, 32, 256, 1)),
+    ((5, 7, 2, 1, H200_SMS), ("warp", 8, 1, 32, 256, 1)),
+    ((100, 64, 4, 4, H200_SMS), ("warp", 8, 2, 32, 256, 4)),
+    ((100_000, 128, 2, 8, H200_SMS), ("warp", 8, 2, 32, 256, 3125)),
+    ((1_000_000, 128, 2, 8, H200_SMS), ("warp", 8, 2, 32, 256, 4224)),   # capped at 32 x 132
+    ((1_000_000, 128, 2, 8, A100_SMS), ("warp", 8, 2, 32, 256, 3456)),   # capped at 32 x 108
+    ((257, 255, 2, 8, H200_SMS), ("warp", 16, 2, 16, 256, 17)),
+    ((257, 256, 2, 8, H200_SMS), ("warp", 16, 2, 16, 256, 17)),
+    ((4096, 1024, 2, 8, H200_SMS), ("warp", 32, 4, 8, 256, 512)),         # n = 128, the last warp size
+    ((4096, 520, 2, 8, H200_SMS), ("warp", 32, 4, 8, 256, 512)),          # n = 65: 3 vectors -> 4
+    ((7, 100, 2, 1, H200_SMS), ("warp", 32, 4, 8, 256, 1)),
+    # one block per row, row in registers
+    ((4096, 1032, 2, 8, H200_SMS), ("block", 128, 2, 1, 128, 4096)),      # n = 129
+    ((3, 1000, 4, 4, H200_SMS), ("block", 128, 2, 1, 128, 3)),
+    ((1, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 1)),
+    ((4096, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 4096)),
+    ((5000, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 4224)),
+    ((1000, 4096, 2, 8, 1), ("block", 256, 2, 1, 256, 32)),
+    ((4096, 4096, 2, 2, H200_SMS), ("block", 1024, 2, 1, 1024, 4096)),    # misaligned: vec 2
+    ((4096, 4096, 2, 1, H200_SMS), ("block", 1024, 4, 1, 1024, 4096)),    # misaligned: scalar
+    ((4096, 4096, 4, 4, H200_SMS), ("block", 512, 2, 1, 512, 4096)),
+    ((64, 5120, 2, 8, H200_SMS), ("block", 512, 2, 1, 512, 64)),
+    ((64, 8192, 2, 8, H200_SMS), ("block", 512, 2, 1, 512, 64)),
+    ((64, 16384, 2, 8, H200_SMS), ("block", 1024, 2, 1, 1024, 64)),
+    ((64, 16392, 2, 8, H200_SMS), ("block", 1024, 4, 1, 1024, 64)),      # n = 2049: 3 vectors -> 4
+    ((64, 32768, 2, 8, H200_SMS), ("block", 1024, 4, 1, 1024, 64)),      # n = 4096, the last in registers
+    # rows too long for registers: stream
+    ((64, 32776, 2, 8, H200_SMS), ("stream", 1024, 0, 1, 1024, 64)),     # n = 4097
+    ((2, 65536, 2, 8, H200_SMS), ("stream", 1024, 0, 1, 1024, 2)),
+    ((9000, 262144, 4, 4, H200_SMS), ("stream", 1024, 0, 1, 1024, 4224)),
+    ((3, 8193, 2, 2, H200_SMS), ("block", 1024, 4, 1, 1024, 3)),         # n = 4096 with vec 2: registers
+    ((3, 8196, 2, 2, H200_SMS), ("stream", 1024, 0, 1, 1024, 3)),        # n = 4098: streams
+    # zero rows still make a valid plan (the API does not launch it)
+    ((0, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 1)),
+]
+
+
+@pytest.mark.parametrize("args, expected", PLAN_TABLE, ids=[str(a) for a, _ in PLAN_TABLE])
+def test_launch_plan_table(args, expected):
+    plan = rn.launch_plan(*args)
+    got = (plan.variant, plan.threads_per_row, plan.vecs_per_thread, plan.rows_per_block,
+           plan.block, plan.grid)
+    assert got == expected
+    assert plan.vec == args[3]
+    assert plan.template_args() == (args[3], expected[1], expected[2])
+
+
+def test_launch_plan_is_frozen():
+    plan = rn.launch_plan(4, 4096, 2, 8, H200_SMS)
+    with pytest.raises(Exception):
+        plan.grid = 7
+    assert plan == rn.launch_plan(4, 4096, 2, 8, H200_SMS)
+
+
+@pytest.mark.parametrize("args", [(-1, 8, 2, 8, 1), (1, 0, 2, 8, 1), (1, 8, 2, 0, 1), (1, 8, 2, 8, 0)])
+def test_launch_plan_rejects_bad_arguments(args):
+    with pytest.raises(ValueError):
+        rn.launch_plan(*args)
+
+
+def _sampled_hidden_sizes():
+    """1..4200 exhaustively (every warp/block boundary for every vec), then a sample up to 300000
+    with the powers of two and their neighbours, where the boundaries sit."""
+    rng = random.Random(1234)
+    sizes = set(range(1, 4201))
+    sizes |= set(rng.sample(range(4201, 300_001), 3000))
+    for p in range(1, 19):
+        sizes |= {2 ** p - 1, 2 ** p, 2 ** p + 1, 2 ** p + 8, 2 ** p - 8}
+    sizes |= {5120, 6144, 7168, 11008, 13824, 14336, 28672, 262144, 300_000}
+    return sorted(s for s in sizes if 1 <= s <= 300_000)
+
+
+def test_launch_plan_properties():
+    sm_counts = (1, A100_SMS, H200_SMS)
+    rows_options = (0, 1, 3, 257, 4096, 10 ** 6)
+    variants_seen = set()
+    for hidden in _sampled_hidden_sizes():
+        for itemsize, vec in ((2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)):
+            n = hidden // vec
+            for rows, sms in itertools.product(rows_options, sm_counts):
+                p = rn.launch_plan(rows, hidden, itemsize, vec, sms)
+                ctx = (rows, hidden, itemsize, vec, sms, p)
+                variants_seen.add(p.variant)
+                assert p.vec == vec, ctx
+                assert p.threads_per_row & (p.threads_per_row - 1) == 0, ctx   # a power of two
+                assert p.block <= 1024, ctx
+                assert p.block == p.threads_per_row * p.rows_per_block, ctx
+                # the kernel's __launch_bounds__ allow max(G, 256) threads
+                assert p.block <= max(p.threads_per_row, 256), ctx
+                assert p.grid >= 1, ctx
+                assert p.grid <= 32 * sms, ctx
+                # every row is owned by some block (the kernel loops when the grid is capped)
+                assert p.grid * p.rows_per_block >= rows or p.grid == 32 * sms, ctx
+                if p.variant == "stream":
+                    assert p.vecs_per_thread == 0 and p.threads_per_row == 1024, ctx
+                    assert n > 1024 * 4, ctx
+                else:
+                    assert 1 <= p.vecs_per_thread <= 4, ctx
+                    assert p.threads_per_row * p.vecs_per_thread >= n, ctx
+                if p.variant == "warp":
+                    assert 8 <= p.threads_per_row <= 32 and p.block == 256, ctx
+                else:   # the shared-memory reduction needs one row per block
+                    assert p.threads_per_row > 32 and p.rows_per_block == 1, ctx
+    assert variants_seen == {"warp", "block", "stream"}
+
+
+def test_launch_plan_is_monotone_in_hidden():
+    """A longer row never gets fewer threads x vectors (no row silently loses its tail)."""
+    for vec in (1, 2, 4, 8):
+        prev = 0
+        for hidden in range(1, 40_000, 3):
+            p = rn.launch_plan(16, hidden, 2, vec, H200_SMS)
+            cap = 10 ** 9 if p.variant == "stream" else p.threads_per_row * p.vecs_per_thread
+            assert cap >= prev, (hidden, vec, p)
+            prev = cap
+
+
+# -- vector_width --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("itemsize, pointers, stride_diffs, expected", [
+    (2, [], [], 8),                          # x alone: 16 bytes
+    (4, [], [], 4),
+    (2, [0, 0, 0], [0, 0, 0, 0, 0, 0], 8),   # same alignment pattern as x
+    (2, [4096, 2 ** 40], [0, 0], 8),         # far apart, multiples of 16 bytes
+    (2, [-16, 32], [0], 8),                  # negative differences
+    (4, [1024], [0, 0], 4),
+    (2, [8], [0, 0], 4),                     # 8-byte difference: 4 halves
+    (4, [8], [0, 0], 2),                     # 8-byte difference: 2 floats
+    (2, [4], [], 2),
+    (4, [4], [], 1),
+    (2, [2], [], 1),
+    (2, [-6], [], 1),
+    (2, [1], [], 1),                         # not even element-aligned: scalar, never 0
+    (4, [2], [], 1),
+    (2, [0], [8], 4),                        # row strides differ by 4 halves
+    (2, [0], [0, 2], 1),                     # inner strides differ by one half
+    (4, [16], [4], 1),
+    (2, [48], [16 * 7], 8),
+])
+def test_vector_width(itemsize, pointers, stride_diffs, expected):
+    assert vector_width(itemsize, pointers, stride_diffs) == expected
+
+
+def test_vector_width_allows_every_access():
+    """Whatever it returns, every difference is a multiple of vec elements (brute force)."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        itemsize = rng.choice((2, 4))
+        pointers = [rng.randrange(-4096, 4096) * rng.choice((1, itemsize)) for _ in range(rng.randrange(0, 4))]
+        strides = [rng.randrange(-64, 64) * itemsize for _ in range(rng.randrange(0, 6))]
+        vec = vector_width(itemsize, pointers, strides)
+        vb = vec * itemsize
+        assert vb <= 16 and vec & (vec - 1) == 0
+        if vec > 1:
+            assert all(d % vb == 0 for d in pointers + strides)
+        # and it is the widest: twice as wide would break some difference (or pass 16 bytes)
+        if 2 * vb <= 16:
+            assert any(d % (2 * vb) for d in pointers + strides)
+
+
+# -- row_layout ----------------------------------------------------------------------------
+
+def _elem_strides(a):
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def _assert_addresses(shape, strides, layout_strides, n_inner):
+    """The two-level layout addresses every row exactly where the original strides do."""
+    lead_shape, lead_strides = shape[:-1], strides[:-1]
+    so, si = layout_strides
+    rows = int(np.prod(lead_shape)) if lead_shape else 1
+    for r in range(rows):
+        idx = np.unravel_index(r, lead_shape) if lead_shape else ()
+        want = sum(i * s for i, s in zip(idx, lead_strides))
+        outer, inner = divmod(r, n_inner)
+        # a level of one may carry any stride: only used levels count
+        got = (outer * so if rows // n_inner > 1 else 0) + (inner * si if n_inner > 1 else 0)
+        assert got == want, (shape, strides, layout_strides, n_inner, r)
+
+
+def _layout_of(*arrays):
+    shape = arrays[0].shape
+    return _validate.row_layout(shape, [_elem_strides(a)[:-1] for a in arrays])
+
+
+def test_row_layout_contiguous():
+    x = np.empty((4, 8, 16), np.float16)
+    lay = _layout_of(x)
+    assert (lay.rows, lay.n_inner) == (32, 1)
+    assert lay.strides == ((16, 0),)
+    _assert_addresses(x.shape, _elem_strides(x), lay.strides[0], lay.n_inner)
+
+
+def test_row_layout_one_dimensional_and_zero_rows():
+    x = np.empty((16,), np.float32)
+    lay = _layout_of(x)
+    assert (lay.rows, lay.n_inner, lay.strides) == (1, 1, ((0, 0),))
+    z = np.empty((0, 16), np.float32)
+    lay = _layout_of(z)
+    assert lay.rows == 0 and lay.strides[0] is not None
+    z3 = np.empty((3, 0, 16), np.float32)
+    assert _layout_of(z3).rows == 0
+
+
+def test_row_layout_wider_buffer_slice():
+    buf = np.empty((10, 96), np.float16)
+    x = buf[:, :64]
+    out = np.empty((10, 64), np.float16)
+    lay = _layout_of(out, x)
+    assert (lay.rows, lay.n_inner) == (10, 1)
+    assert lay.strides == ((64, 0), (96, 0))
+
+
+def test_row_layout_fused_qkv_heads():
+    tokens, heads, head_dim = 5, 4, 8
+    qkv = np.empty((tokens, 3 * heads * head_dim), np.float16)
+    q = qkv[:, :heads * head_dim].reshape(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:2 * heads * head_dim].reshape(tokens, heads, head_dim)
+    out = np.empty((tokens, heads, head_dim), np.float16)
+    lay = _layout_of(out, q, k)
+    assert (lay.rows, lay.n_inner) == (tokens * heads, heads)
+    assert lay.strides == ((heads * head_dim, head_dim), (3 * heads * head_dim, head_dim),
+                           (3 * heads * head_dim, head_dim))
+    for a, st in zip((out, q, k), lay.strides):
+        _assert_addresses(a.shape, _elem_strides(a), st, lay.n_inner)
+
+
+def test_row_layout_transposed_leading_axes():
+    base = np.empty((3, 5, 16), np.float32)      # (B, A, hidden)
+    x = base.transpose(1, 0, 2)                  # (A, B, hidden), strides (16, 80)
+    lay = _layout_of(x)
+    assert (lay.rows, lay.n_inner) == (15, 3)
+    assert lay.strides == ((16, 80),)
+    _assert_addresses(x.shape, _elem_strides(x), lay.strides[0], lay.n_inner)
+    # next to a contiguous output, the split is shared and both fit
+    out = np.empty(x.shape, np.float32)
+    lay = _layout_of(out, x)
+    assert lay.strides[0] is not None and lay.strides[1] is not None
+    for a, st in zip((out, x), lay.strides):
+        _assert_addresses(a.shape, _elem_strides(a), st, lay.n_inner)
+
+
+def test_row_layout_size_one_axes():
+    base = np.empty((5, 7, 16), np.float16)
+    x = base[:, None, 2:3, None, :]             # (5, 1, 1, 1, 16)
+    x = np.lib.stride_tricks.as_strided(x, x.shape, (x.strides[0], 12345, 6789, 2, 2))
+    lay = _layout_of(x)
+    assert (lay.rows, lay.n_inner) == (5, 1)
+    assert lay.strides == ((7 * 16, 0),)
+    y = base[None, :, :1, :]                    # (1, 5, 1, 16)
+    lay = _layout_of(y)
+    assert (lay.rows, lay.strides) == (5, ((7 * 16, 0),))
+
+
+def test_row_layout_merges_what_merges():
+    base = np.empty((6, 4, 10, 16), np.float16)
+    x = base[:, :, :3]                           # (6, 4, 3, 16): axes 0 and 1 merge, 2 does not
+    lay = _layout_of(x)
+    assert (lay.rows, lay.n_inner) == (72, 3)
+    assert lay.strides == ((160, 16),)
+    _assert_addresses(x.shape, _elem_strides(x), lay.strides[0], lay.n_inner)
+
+
+def test_row_layout_no_common_split():
+    base = np.empty((4, 6, 10, 16), np.float32)
+    three_levels = base[:, :3, :5]               # breaks after axis 0 and after axis 1
+    out = np.empty(three_levels.shape, np.float32)
+    lay = _layout_of(out, three_levels)
+    assert lay.strides[0] is not None and lay.strides[1] is None
+    _assert_addresses(out.shape, _elem_strides(out), lay.strides[0], lay.n_inner)
+
+    a = np.empty((4, 6, 10, 16), np.float32)[:, :3]    # (4, 3, 10, 16): break after axis 0
+    b = np.empty((4, 3, 20, 16), np.float32)[:, :, :10]  # break after axis 1
+    lay = _layout_of(a, b)                       # the first array with a single break wins
+    assert lay.strides[0] is not None and lay.strides[1] is None
+    assert lay.n_inner == 30
+    _assert_addresses(a.shape, _elem_strides(a), lay.strides[0], lay.n_inner)
+    lay = _layout_of(b, a)
+    assert lay.strides[0] is not None and lay.strides[1] is None
+    assert lay.n_inner == 10
+    _assert_addresses(b.shape, _elem_strides(b), lay.strides[0], lay.n_inner)
+
+
+def test_row_layout_none_input_stays_none():
+    lay = _validate.row_layout((4, 16), [(16,), None])
+    assert lay.strides[1] is None and lay.strides[0] == (16, 0)
+
+
+def test_row_layout_random_views_address_the_right_rows():
+    """Random slicings/transposes of 2..4 leading axes: any layout returned is exact."""
+    rng = np.random.default_rng(3)
+    fitted = 0
+    for _ in range(300):
+        nd = int(rng.integers(1, 4))
+        full = tuple(int(n) for n in rng.integers(1, 5, size=nd)) + (8,)
+        base = np.empty(full, np.float16)
+        sl = tuple(slice(0, int(rng.integers(1, n + 1)), int(rng.integers(1, 3))) for n in full[:-1])
+        v = base[sl + (slice(None),)]
+        perm = list(rng.permutation(nd)) + [nd]
+        v = v.transpose(perm)
+        out = np.empty(v.shape, np.float16)
+        lay = _layout_of(out, v)
+        assert lay.rows == int(np.prod(v.shape[:-1]))
+        assert lay.strides[0] is not None        # a contiguous output always fits
+        for a, st in zip((out, v), lay.strides):
+            if st is not None:
+                fitted += a is v
+                _assert_addresses(a.shape, _elem_strides(a), st, lay.n_inner)
+    assert fitted > 100
+
+
+# -- rows_overlap_themselves ---------------------------------------------------------------
+
+def _rows_collide(so, si, rows, n_inner, hidden):
+    """Brute force: do any two rows' [offset, offset + hidden) intervals intersect?"""
+    n_outer = rows // n_inner
+    offs = sorted(o * so + i * si for o in range(n_outer) for i in range(n_inner))
+    return any(b - a < hidden for a, b in zip(offs, offs[1:]))
+
+
+@pytest.mark.parametrize("strides, rows, n_inner, hidden, expected", [
+    ((16, 0), 4, 1, 16, False),       # contiguous
+    ((0, 0), 4, 1, 16, True),         # broadcast rows (stride 0)
+    ((15, 0), 4, 1, 16, True),        # one element short
+    ((-16, 0), 4, 1, 16, False),      # reversed rows
+    ((0, 0), 1, 1, 16, False),        # a single row never collides
+    ((64, 16), 12, 4, 16, False),     # contiguous, two levels
+    ((64, 0), 12, 4, 16, True),       # inner level broadcast
+    ((16, 64), 8, 4, 16, False),      # transposed levels, disjoint
+    ((32, 48), 4, 2, 16, False),      # interleaved, disjoint
+    ((16, 24), 8, 4, 16, True),       # inner rows land on outer rows
+    ((100, 7), 8, 2, 8, True),        # inner stride too small
+])
+def test_rows_overlap_themselves(strides, rows, n_inner, hidden, expected):
+    assert _validate.rows_overlap_themselves(strides, rows, n_inner, hidden) is expected
+    assert _rows_collide(*strides, rows, n_inner, hidden) is expected
+
+
+def test_rows_overlap_themselves_never_misses_a_collision():
+    """It may be conservative, but a real collision is always reported (random brute force)."""
+    rng = random.Random(11)
+    for _ in range(3000):
+        hidden = rng.randrange(1, 9)
+        n_inner = rng.randrange(1, 5)
+        rows = n_inner * rng.randrange(1, 5)
+        so, si = rng.randrange(-40, 41), rng.randrange(-40, 41)
+        if _rows_collide(so, si, rows, n_inner, hidden):
+            assert _validate.rows_overlap_themselves((so, si), rows, n_inner, hidden), (so, si, rows, n_inner, hidden)
+
+
+def test_rows_overlap_as_strided_output():
+    buf = np.zeros(64, np.float16)
+    bad = np.lib.stride_tricks.as_strided(buf, shape=(4, 16), strides=(0, 2))
+    st = _elem_strides(bad)[:-1]
+    lay = _validate.row_layout(bad.shape, [st])
+    assert _validate.rows_overlap_themselves(lay.strides[0], lay.rows, lay.n_inner, 16)
+
+
+# -- overlap --------------------------------------------------------------------------------
+
+def _span(a, rows, n_inner):
+    """The (ptr, strides, extent) triple the API builds, from a real NumPy view."""
+    lay = _validate.row_layout(a.shape, [_elem_strides(a)[:-1]])
+    assert lay.strides[0] is not None and lay.n_inner == n_inner
+    ptr = a.__array_interface__["data"][0]
+    ext = _validate.extent(ptr, lay.strides[0], rows, n_inner, a.shape[-1], a.itemsize)
+    return ptr, lay.strides[0], ext
+
+
+def _overlap(a, b):
+    lay = _validate.row_layout(a.shape, [_elem_strides(a)[:-1], _elem_strides(b)[:-1]])
+    return _validate.overlap(_span(a, lay.rows, lay.n_inner), _span(b, lay.rows, lay.n_inner),
+                             lay.rows, lay.n_inner, a.shape[-1], a.itemsize)
+
+
+def test_overlap_cases():
+    buf = np.zeros((8, 64), np.float16)
+    x = buf[:4, :32]
+    assert _overlap(x, buf[:4, :32]) == "same"
+    assert _overlap(x, buf[4:8, :32]) is None             # disjoint extents
+    assert _overlap(x, buf[:4, 32:64]) is None            # interleaved, no shared element
+    assert _overlap(x, buf[:4, 16:48]) == "partial"       # interleaved, sharing
+    assert _overlap(x, buf[1:5, :32]) == "partial"        # shifted by a row
+    assert _overlap(x, buf[:4, 1:33]) == "partial"        # shifted by one element
+    assert _overlap(x, buf[::2, :32]) == "partial"        # same start, another stride
+    flat = np.zeros(4 * 32 + 1, np.float16)
+    assert _overlap(flat[:128].reshape(4, 32), flat[1:].reshape(4, 32)) == "partial"
+
+
+def test_overlap_same_with_irrelevant_strides():
+    """A level of one row may carry any stride: the arrays are still the very same rows."""
+    p = 4096
+    ext = (p, p + 16 * 4)
+    assert _validate.overlap((p, (5, 0), ext), (p, (7, 9), ext), 1, 1, 16, 4) == "same"
+    ext = _validate.extent(p, (64, 16), 4, 4, 16, 4)
+    assert _validate.overlap((p, (3, 16), ext), (p, (64, 16), ext), 4, 4, 16, 4) == "same"
+    assert _validate.overlap((p, (64, 3), ext), (p, (64, 16), ext), 4, 4, 16, 4) == "partial"
+
+
+def test_overlap_agrees_with_numpy_shares_memory():
+    rng = np.random.default_rng(5)
+    buf = np.zeros(4096, np.float32)
+    for _ in range(400):
+        hidden = int(rng.integers(1, 9))
+        rows = int(rng.integers(2, 6))
+        views = []
+        for _ in range(2):
+            start = int(rng.integers(0, 64))
+            stride = int(rng.integers(hidden, 3 * hidden + 1)) * int(rng.choice((1, -1)))
+            if stride < 0:
+                start += -stride * (rows - 1)
+            views.append(np.lib.stride_tricks.as_strided(buf[start:], (rows, hidden), (4 * stride, 4)))
+        a, b = views
+        expected = np.shares_memory(a, b)
+        got = _overlap(a, b)
+        if not expected:
+            assert got is None, (a.strides, b.strides)
+        else:
+            assert got in ("same", "partial")
+            same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                    and a.strides == b.strides)
+            assert (got == "same") == same
