@@ -9,12 +9,11 @@ import numpy as np
 
 from . import _interop, _validate
 from ._interop import CupyKind, NumpyKind, TorchKind
-from ._launcher import Launcher
+from ._launcher import NAMES as _NAMES, Launcher
 from ._reference import fused_add_rms_norm_reference, rms_norm_reference
 
 _INPUTS = ("x", "residual")
 _OUTPUTS = ("out", "residual_out")
-_NAMES = ("x", "residual", "weight", "out", "residual_out")
 _MAX_LAUNCHERS = 1024
 _launchers = {}   # call signature -> Launcher (see _launcher.py)
 
@@ -65,23 +64,19 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, out=None, residual
 
 
 def _call(fused, x, residual, weight, eps, out, residual_out, weight_offset, casting_mode):
-    arrays = {"x": x}
-    if residual is not None:
-        arrays["residual"] = residual
-    if weight is not None:
-        arrays["weight"] = weight
-    if out is not None:
-        arrays["out"] = out
-    if residual_out is not None:
-        arrays["residual_out"] = residual_out
+    arrays = [x, residual, weight, out, residual_out]
     # Fast path: a signature seen before needs only the pointer-dependent checks.
     signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
-    launcher = _launchers.get(signature) if signature is not None else None
+    try:
+        launcher = _launchers.get(signature)
+    except TypeError:   # unhashable: no fast path for this call
+        launcher = signature = None
     if launcher is not None:
         result = launcher(arrays)
         if result is not None:
             return result
-    return _full_call(fused, arrays, eps, weight_offset, casting_mode, signature)
+    named = {k: a for k, a in zip(_NAMES, (x, residual, weight, out, residual_out)) if a is not None}
+    return _full_call(fused, named, eps, weight_offset, casting_mode, signature)
 
 
 def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
@@ -107,7 +102,7 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
         if len(_launchers) >= _MAX_LAUNCHERS:
             _launchers.clear()
         _launchers[signature] = launcher
-    return launcher(job.named, checked=True)
+    return launcher([job.named.get(k) for k in _NAMES], checked=True)
 
 
 def _kind_name(kind):
@@ -142,7 +137,8 @@ class _Job:
 
     # -- layout ------------------------------------------------------------------------
     def _unit_last(self, m):
-        return m.strides is not None and (self.hidden == 1 or m.strides[-1] == 1) \
+        # NumPy gives arrays with no elements zero strides: with no rows, any layout will do
+        return m.strides is not None and (self.hidden == 1 or m.strides[-1] == 1 or 0 in m.shape) \
             and m.ptr % m.itemsize == 0
 
     def _layout_and_copies(self):
@@ -227,20 +223,22 @@ class _Job:
 
     # -- GPU -----------------------------------------------------------------------------
     def launcher(self):
+        """A Launcher for this call's signature (see _launcher.py), by array position."""
         m = self.metas
         strides = dict(self.row_strides)
         for k in _OUTPUTS[: 2 if self.fused else 1]:
-            if k not in strides:  # fresh outputs are allocated contiguous
-                strides[k] = self._contiguous_row_strides()
+            strides.setdefault(k, self._contiguous_row_strides())  # fresh outputs are contiguous
         extents = {}
         for k in self.inputs + self.outputs + (["weight"] if "weight" in m else []):
             _, _, (lo, hi) = self._span(k)
             extents[k] = (lo - m[k].ptr, hi - m[k].ptr)
+        by_pos = lambda d: [d.get(k) for k in _NAMES]  # noqa: E731
         wm = m.get("weight")
         grad_check = self.kind is TorchKind and any(t.requires_grad for t in self.named.values())
         return Launcher(self.kind, self.fused, m["x"].device, tuple(m["x"].shape), m["x"].dtype,
                         self.itemsize, wm.dtype if wm else None, wm.itemsize if wm else 0,
-                        self.rows, self.n_inner, strides, extents, tuple(self.outputs),
+                        self.rows, self.n_inner, by_pos(strides), by_pos(extents),
+                        tuple(_NAMES.index(k) for k in self.outputs),
                         self.eps, self.offset, self.llama, grad_check)
 
     def _contiguous_row_strides(self):

@@ -48,31 +48,30 @@ class NumpyKind:
                     _dtype_name(a.dtype), a.itemsize, -1)
 
 
+_driver_launch = None
+
+
+def _launch(device, fn_ptr, grid, block, stream_ptr, argv_ptr):
+    """cuLaunchKernel; a thread that has not touched CUDA yet gets the device's context first."""
+    global _driver_launch
+    if _driver_launch is None:
+        from cupy_backends.cuda.api import driver
+        _driver_launch = driver.launchKernel
+    try:
+        _driver_launch(fn_ptr, grid, 1, 1, block, 1, 1, 0, stream_ptr, argv_ptr, 0)
+    except Exception:
+        from cupy_backends.cuda.api import driver
+        if driver.ctxGetCurrent() != 0:
+            raise
+        from cupy.cuda import runtime
+        runtime.setDevice(device)   # makes the primary context current in this thread
+        _driver_launch(fn_ptr, grid, 1, 1, block, 1, 1, 0, stream_ptr, argv_ptr, 0)
+
+
 class CupyKind:
+    """CuPy arrays: launched on CuPy's current stream. The Launcher has made the arrays'
+    device current before empty() and launch() are called."""
     name = "cupy"
-
-    @staticmethod
-    def ptr(a):
-        return a.data.ptr
-
-    @staticmethod
-    def arg(a):
-        """The kernel argument for an array: CuPy passes its own arrays' pointers fastest."""
-        return 0 if a is None else a
-
-    @staticmethod
-    def grad_enabled():
-        return False
-
-    @staticmethod
-    def launch(device, fn, grid, block, args):
-        """Launch on CuPy's current stream of ``device``."""
-        import cupy
-        if cupy.cuda.runtime.getDevice() == device:
-            fn((grid,), (block,), args)
-        else:
-            with cupy.cuda.Device(device):
-                fn((grid,), (block,), args)
 
     @staticmethod
     def meta(a):
@@ -80,59 +79,33 @@ class CupyKind:
                     _dtype_name(a.dtype), a.itemsize, a.data.device_id)
 
     @staticmethod
-    def empty(shape, like):
-        import cupy
-        dev = like.data.device_id
-        if dev == cupy.cuda.runtime.getDevice():
-            return cupy.empty(shape, dtype=like.dtype)
-        with cupy.cuda.Device(dev):  # CuPy allocates on the current device
-            return cupy.empty(shape, dtype=like.dtype)
-
-    @staticmethod
-    def contiguous(a):
-        import cupy
-        with cupy.cuda.Device(a.data.device_id):
-            return cupy.ascontiguousarray(a)
-
-
-class _StreamHandle:
-    """A raw stream pointer in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-class TorchKind:
-    name = "torch"
-    _streams = {}        # (device, raw stream pointer) -> cupy Stream wrapping it
-    _dtypes = None
-
-    @staticmethod
-    def ptr(t):
-        return t.data_ptr()
-
-    @staticmethod
-    def arg(t):
-        return 0 if t is None else t.data_ptr()
+    def ptr(a):
+        return a.data.ptr
 
     @staticmethod
     def grad_enabled():
-        import torch
-        return torch.is_grad_enabled()
+        return False
 
-    @classmethod
-    def launch(cls, device, fn, grid, block, args):
-        """Launch on torch's current stream of ``device``."""
-        import cupy
-        if cupy.cuda.runtime.getDevice() == device:
-            fn((grid,), (block,), args, stream=cls.stream(device))
-        else:
-            with cupy.cuda.Device(device):
-                fn((grid,), (block,), args, stream=cls.stream(device))
+    @staticmethod
+    def empty(shape, like):
+        return _cupy().empty(shape, dtype=like.dtype)
+
+    @staticmethod
+    def contiguous(a):
+        cupy = _cupy()
+        with cupy.cuda.Device(a.data.device_id):
+            return cupy.ascontiguousarray(a)
+
+    @staticmethod
+    def launch(device, fn_ptr, grid, block, argv_ptr):
+        _launch(device, fn_ptr, grid, block, _cupy().cuda.get_current_stream().ptr, argv_ptr)
+
+
+class TorchKind:
+    """PyTorch tensors: launched on torch's current stream of the tensors' device (so work
+    under ``torch.cuda.stream(s)`` is ordered), outputs from torch's caching allocator."""
+    name = "torch"
+    _dtypes = None
 
     @classmethod
     def _dtype_map(cls):
@@ -150,29 +123,30 @@ class TorchKind:
                     dev.index if dev.type == "cuda" else -1)
 
     @staticmethod
+    def ptr(t):
+        return t.data_ptr()
+
+    @staticmethod
+    def grad_enabled():
+        return sys.modules["torch"].is_grad_enabled()
+
+    @staticmethod
     def empty(shape, like):
-        import torch
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+        torch = sys.modules["torch"]
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
 
     @staticmethod
     def contiguous(t):
         return t.contiguous()
 
-    @classmethod
-    def stream(cls, device):
-        """torch's current stream on ``device``, wrapped once for CuPy's launcher."""
-        import torch
-        try:
-            ptr = torch._C._cuda_getCurrentRawStream(device)   # the cheap way, no Stream object
-        except AttributeError:  # pragma: no cover - older or newer torch
-            ptr = torch.cuda.current_stream(device).cuda_stream
-        key = (device, ptr)
-        s = cls._streams.get(key)
-        if s is None:
-            import cupy
-            with cupy.cuda.Device(device):
-                s = cls._streams[key] = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        return s
+    @staticmethod
+    def launch(device, fn_ptr, grid, block, argv_ptr):
+        stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+        _launch(device, fn_ptr, grid, block, stream, argv_ptr)
+
+
+def _cupy():
+    return sys.modules["cupy"] if "cupy" in sys.modules else __import__("cupy")
 
 
 def kind_of(obj, arg="x"):
@@ -207,15 +181,19 @@ def _cupy_signature(a):
 
 
 def _torch_signature(t):
-    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    return (type(t), t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
 
 
 _SIGNATURES = {}   # array type -> function giving what a Launcher depends on
 
 
 def signature(fused, arrays, eps, weight_offset, casting_mode):
-    """A hashable key of everything but the pointers, or None (then no fast path)."""
-    x = arrays["x"]
+    """A key of everything but the pointers, or None (then no fast path). It may be
+    unhashable (an odd eps, say): the caller treats that like None.
+
+    ``arrays``: [x, residual, weight, out, residual_out], None where absent.
+    """
+    x = arrays[0]
     sig_of = _SIGNATURES.get(type(x))
     if sig_of is None:
         cupy = sys.modules.get("cupy")
@@ -226,9 +204,7 @@ def signature(fused, arrays, eps, weight_offset, casting_mode):
         else:
             return None
     try:
-        key = (fused, eps, weight_offset, casting_mode) + tuple(
-            (k, sig_of(a)) for k, a in arrays.items())
-        hash(key)
+        return (fused, eps, weight_offset, casting_mode,
+                *[None if a is None else sig_of(a) for a in arrays])
     except (AttributeError, TypeError):  # another kind of array in the mix: the full path says what
         return None
-    return key

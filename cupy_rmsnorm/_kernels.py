@@ -1,7 +1,7 @@
 """Kernel sources, NVRTC options and the per-device cache of compiled kernels.
 
-One template in ``kernels/rms_norm.cu``; each (storage type, weight type, fused,
-vector width, threads per row, vectors per thread) is an instantiation, compiled the
+One template in ``kernels/rms_norm.cu``; each (storage type, weight type, fused, vector
+width, threads per row, vectors per thread) is an instantiation, compiled the
 first time a call needs it on a device (CuPy's disk cache keeps the binary across
 processes) and kept here as a launchable function.
 """
@@ -28,12 +28,12 @@ def kernel_source():
     raise FileNotFoundError("cupy_rmsnorm: kernels/rms_norm.cu is missing from the installation")
 
 
-def name_expression(dtype, weight_dtype, fused, vec, threads_per_row, vecs_per_thread):
-    """The C++ name of one instantiation, as NVRTC's name_expressions want it."""
+def name_expression(dtype, weight_dtype, fused, plan):
+    """The C++ name of the instantiation a LaunchPlan needs, as NVRTC's name_expressions want it."""
     t = CUDA_TYPES[dtype]
     w = CUDA_TYPES[weight_dtype or dtype]
-    return (f"rmsnorm::rms_norm_kernel<{t}, {w}, {'true' if fused else 'false'}, "
-            f"{vec}, {threads_per_row}, {vecs_per_thread}>")
+    args = ", ".join(str(a) for a in plan.template_args())
+    return f"rmsnorm::rms_norm_kernel<{t}, {w}, {'true' if fused else 'false'}, {args}>"
 
 
 def _has_header(folder):

@@ -5,9 +5,14 @@ addresses: row layout, kernel parameters, memory extents relative to each base
 pointer. The first call with a given signature (kinds, shapes, strides, dtypes,
 device, scalars) goes through the full validation in ``_api`` and leaves a Launcher
 behind; later calls with that signature only read the pointers, check what depends
-on them (vector width, overlap of outputs with inputs), allocate missing outputs and
-launch. Anything the cheap checks cannot settle returns ``None`` and the caller falls
-back to the full path.
+on them (alignment, vector width, overlap of given outputs with inputs), allocate
+missing outputs and launch. Whatever those cheap checks cannot settle returns
+``None``, and the caller takes the full path.
+
+Kernels are launched with the driver's cuLaunchKernel on the caller's stream: five
+pointer slots and the ``Params`` struct live in one host buffer per Launcher, so a call
+writes five integers and launches (CuPy's generic argument packing costs several
+times that).
 """
 
 import threading
@@ -17,7 +22,9 @@ import numpy as np
 from ._kernels import kernels, name_expression
 from ._plan import launch_plan, vector_width_from_bits
 
-LLAMA, HAS_WEIGHT = 1, 2   # kernels/rms_norm.cu: enum Flags
+X, RES, W, OUT, RO = range(5)            # positions in the arrays list
+NAMES = ("x", "residual", "weight", "out", "residual_out")
+LLAMA, HAS_WEIGHT = 1, 2                 # kernels/rms_norm.cu: enum Flags
 
 # kernels/rms_norm.cu: struct Params (eight-byte fields first, so no padding).
 PARAMS_DTYPE = np.dtype([
@@ -26,8 +33,9 @@ PARAMS_DTYPE = np.dtype([
     ("y_so", "<i8"), ("y_si", "<i8"), ("ro_so", "<i8"), ("ro_si", "<i8"),
     ("hidden", "<i4"), ("eps", "<f4"), ("w_offset", "<f4"), ("flags", "<i4"),
 ])
-ARRAYS = ("x", "residual", "out", "residual_out")
-_PARAM_PREFIX = {"x": "x", "residual": "r", "out": "y", "residual_out": "ro"}
+_STRIDE_FIELDS = {X: "x", RES: "r", OUT: "y", RO: "ro"}
+_KERNEL_POINTERS = (X, RES, OUT, RO, W)  # the kernel's pointer arguments, in order
+_SLOT = {k: i for i, k in enumerate(_KERNEL_POINTERS)}
 
 _sm_counts = {}
 
@@ -35,100 +43,129 @@ _sm_counts = {}
 def sm_count(device):
     n = _sm_counts.get(device)
     if n is None:
-        import cupy
-        n = _sm_counts[device] = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+        from cupy.cuda import runtime
+        n = _sm_counts[device] = runtime.getDeviceProperties(device)["multiProcessorCount"]
     return n
 
 
 class Launcher:
-    """Launches one call signature; see the module docstring."""
+    """Launches one call signature; see the module docstring.
+
+    row_strides / extents: per array position, (outer, inner) strides in elements and
+    the [lo, hi) byte range relative to the array's pointer. given_outputs: the output
+    positions the caller passed (fresh outputs are allocated contiguous).
+    """
 
     def __init__(self, kind, fused, device, shape, dtype, itemsize, weight_dtype, weight_itemsize,
-                 rows, n_inner, row_strides, extents, given_outputs, eps, weight_offset, llama, grad_check):
+                 rows, n_inner, row_strides, extents, given_outputs, eps, weight_offset, llama,
+                 grad_check):
         self.kind, self.fused, self.device, self.shape = kind, fused, device, shape
         self.dtype, self.itemsize = dtype, itemsize
         self.weight_dtype, self.weight_itemsize = weight_dtype, weight_itemsize
         self.rows, self.hidden = rows, shape[-1]
-        self.given_outputs = given_outputs
-        self.extents = extents      # name -> (lo, hi) bytes relative to the array's pointer
-        self.grad_check = grad_check
-        names = ARRAYS if fused else ("x", "out")
-        xso, xsi = row_strides["x"]
-        # stride differences from x decide, with the pointer differences, the vector width
+        self.row_strides, self.extents = row_strides, extents
+        self.given_outputs, self.grad_check = given_outputs, grad_check
+        self.others = (RES, OUT, RO) if fused else (OUT,)      # arrays that must follow x's alignment
+        self.missing_outputs = tuple(k for k in ((OUT, RO) if fused else (OUT,)) if k not in given_outputs)
+        # with the pointer differences, the stride differences from x decide the vector width
+        xso, xsi = row_strides[X]
         bits = 0
-        for k in names[1:]:
+        for k in self.others:
             so, si = row_strides[k]
             bits |= ((so - xso) * itemsize) | ((si - xsi) * itemsize)
         self.stride_bits = bits
-        self.row_strides = row_strides
-        p = np.zeros(1, PARAMS_DTYPE)
+        self.params = np.zeros(1, PARAMS_DTYPE)
+        p = self.params
         p["rows"], p["n_inner"], p["hidden"] = rows, n_inner, self.hidden
-        for k in names:
-            p[_PARAM_PREFIX[k] + "_so"], p[_PARAM_PREFIX[k] + "_si"] = row_strides[k]
+        for k in (X,) + self.others:
+            p[_STRIDE_FIELDS[k] + "_so"], p[_STRIDE_FIELDS[k] + "_si"] = row_strides[k]
         p["eps"], p["w_offset"] = eps, weight_offset
         p["flags"] = (LLAMA if llama else 0) | (HAS_WEIGHT if weight_dtype else 0)
-        self.params = p             # never written after this: safe to share across threads
+        # cuLaunchKernel's argument array: five pointer slots, then the Params struct
+        self._slots = np.zeros(5, np.uint64)
+        base = self._slots.ctypes.data
+        self._argv = np.array([base + 8 * i for i in range(5)] + [p.ctypes.data], np.uint64)
+        self._argv_ptr = self._argv.ctypes.data
         self._by_vec = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
+        from cupy import cuda
+        self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
 
     def plan_and_function(self, vec):
+        """The plan and compiled kernel for a vector width (cached; compiled on first use)."""
         entry = self._by_vec.get(vec)
         if entry is None:
-            with self._lock:
-                plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, sm_count(self.device))
-                expr = name_expression(self.dtype, self.weight_dtype, self.fused, *plan.template_args())
-                entry = self._by_vec[vec] = (plan, kernels.get(self.device, expr))
+            plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, sm_count(self.device), self.fused)
+            entry = self._by_vec[vec] = (plan, self.function(plan))
         return entry
 
-    def _overlap_settled(self, ptrs):
-        """True when the outputs the caller gave provably do not overlap what they must not:
-        apart from weight, from each other, and from each input unless they are that very input."""
+    def function(self, plan):
+        """The compiled kernel for a plan."""
+        return kernels.get(self.device, name_expression(self.dtype, self.weight_dtype, self.fused, plan))
+
+    def _overlap_settled(self, arrays, slots):
+        """True when the given outputs provably do not overlap what they must not: weight,
+        each other, and each input unless they are that very input (same pointer, strides)."""
         ext, st = self.extents, self.row_strides
+        ptrs = [slots[_SLOT[k]] if arrays[k] is not None else None for k in range(5)]
 
         def apart(a, b):
             return ptrs[a] + ext[a][1] <= ptrs[b] + ext[b][0] or ptrs[b] + ext[b][1] <= ptrs[a] + ext[a][0]
 
         for o in self.given_outputs:
-            if "weight" in ptrs and not apart(o, "weight"):
+            if ptrs[W] is not None and not apart(o, W):
                 return False
-            for i in (("x", "residual") if self.fused else ("x",)):
+            for i in ((X, RES) if self.fused else (X,)):
                 if not apart(o, i) and not (ptrs[o] == ptrs[i] and st[o] == st[i]):
                     return False
-        return len(self.given_outputs) < 2 or apart("out", "residual_out")
+        return len(self.given_outputs) < 2 or apart(OUT, RO)
 
     def __call__(self, arrays, checked=False):
-        """Launch on ``arrays`` (name -> array, outputs optional); None if the full path must decide.
+        """Launch on ``arrays`` ([x, residual, weight, out, residual_out], None where absent).
 
-        ``checked``: the caller has already validated these very arrays (first call).
+        Returns the result, or None when the full path must decide (nothing was done).
+        ``checked``: the full path has just validated these very arrays.
         """
-        kind = self.kind
-        if self.grad_check and kind.grad_enabled():
+        if self.grad_check and self.kind.grad_enabled():
             return None
+        if self._get_device() == self.device:
+            return self._run(arrays, checked)
+        with self._device_context(self.device):   # allocate and launch on the arrays' device
+            return self._run(arrays, checked)
+
+    def _run(self, arrays, checked):
+        kind, itemsize = self.kind, self.itemsize
         ptr = kind.ptr
-        ptrs = {k: ptr(a) for k, a in arrays.items()}
-        itemsize = self.itemsize
-        misaligned = 0
-        for k, p in ptrs.items():
-            misaligned |= p % (self.weight_itemsize if k == "weight" else itemsize)
-        if misaligned or (not checked and self.given_outputs and not self._overlap_settled(ptrs)):
+        slots = [0] * 5                                   # the kernel's pointers, in _KERNEL_POINTERS order
+        px = ptr(arrays[X])
+        bits, misaligned = self.stride_bits, px % itemsize
+        for k in self.others:
+            a = arrays[k]
+            if a is not None:
+                p = slots[_SLOT[k]] = ptr(a)
+                bits |= p - px
+                misaligned |= p % itemsize
+        w = arrays[W]
+        if w is not None:
+            slots[4] = ptr(w)
+            misaligned |= slots[4] % self.weight_itemsize
+        if misaligned:
             return None
-        px = ptrs["x"]
-        bits = self.stride_bits
-        for k in (("residual", "out", "residual_out") if self.fused else ("out",)):
-            if k in ptrs:
-                bits |= ptrs[k] - px
-        if "out" not in arrays:
-            arrays["out"] = o = kind.empty(self.shape, arrays["x"])
-            bits |= ptr(o) - px
-        if self.fused and "residual_out" not in arrays:
-            arrays["residual_out"] = o = kind.empty(self.shape, arrays["x"])
-            bits |= ptr(o) - px
-        result = (arrays["out"], arrays["residual_out"]) if self.fused else arrays["out"]
+        slots[0] = px
+        if self.given_outputs and not checked and not self._overlap_settled(arrays, slots):
+            return None
+        for k in self.missing_outputs:
+            a = arrays[k] = kind.empty(self.shape, arrays[X])
+            p = slots[_SLOT[k]] = ptr(a)
+            bits |= p - px
+        result = (arrays[OUT], arrays[RO]) if self.fused else arrays[OUT]
         if self.rows == 0:
             return result
-        plan, fn = self.plan_and_function(vector_width_from_bits(itemsize, bits))
-        arg, get = kind.arg, arrays.get
-        args = (arg(arrays["x"]), arg(get("residual")), arg(arrays["out"]),
-                arg(get("residual_out")), arg(get("weight")), self.params)
-        kind.launch(self.device, fn, plan.grid, plan.block, args)
+        entry = self._by_vec.get(vector_width_from_bits(itemsize, bits))
+        if entry is None:
+            entry = self.plan_and_function(vector_width_from_bits(itemsize, bits))
+        plan, fn = entry
+        with self._lock:
+            self._slots[:] = slots
+            kind.launch(self.device, fn.ptr, plan.grid, plan.block, self._argv_ptr)
         return result

@@ -118,6 +118,7 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
     constexpr int WARPS = G > 32 ? G / 32 : 1;
     __shared__ float warp_sums[2][WARPS];
 
+    static_assert(G >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
     const int tid = threadIdx.x % G;             // lane within the row group
     const int group = threadIdx.x / G;
     const long long rows_per_block = blockDim.x / G;
@@ -136,29 +137,34 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
         T* ror = FUSED ? res_out + outer * p.ro_so + inner * p.ro_si : nullptr;
 
         // Head: elements before x's row reaches a 16-byte boundary (all arrays share
-        // that alignment pattern, the launcher made sure).
+        // that alignment pattern, the launcher made sure); tail: what is left after the
+        // last whole vector. Both are shorter than VEC <= G, so a thread holds at most
+        // one element of each, in a register.
         const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
         const int head = min((VEC - mis) & (VEC - 1), hidden);
         const int n_body = (hidden - head) / VEC;
         const int tail_start = head + n_body * VEC;
+        const bool has_head = active && tid < head;
+        const bool has_tail = active && tid < hidden - tail_start;
         const bool w_vec = (flags & kHasWeight) &&
             ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
 
-        float ss = 0.f;
+        float ss = 0.f, head_v = 0.f, tail_v = 0.f;
         VecT keep[NV > 0 ? NV : 1];              // the row's body, kept for the second pass
         const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
         const VecT* rv = reinterpret_cast<const VecT*>(rr + head);
         VecT* rov = reinterpret_cast<VecT*>(ror + head);
         if (active) {
-            for (int j = tid; j < head; j += G) { float v = load_scalar<T, W, FUSED>(xr, rr, ror, j); ss += v * v; }
-            for (int j = tail_start + tid; j < hidden; j += G) { float v = load_scalar<T, W, FUSED>(xr, rr, ror, j); ss += v * v; }
             if (NV > 0) {
                 VecT other[FUSED && NV > 0 ? NV : 1];
 #pragma unroll
-                for (int i = 0; i < NV; ++i) {  // issue every load before the first use
+                for (int i = 0; i < NV; ++i) {  // issue every body load before the first use
                     const int v = tid + i * G;
                     if (v < n_body) { keep[i] = xv[v]; if (FUSED) other[i] = rv[v]; }
                 }
+                // head and tail loads go out while the body loads are in flight
+                if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
+                if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
                     const int v = tid + i * G;
@@ -174,6 +180,8 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
                     }
                 }
             } else {
+                if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
+                if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
 #pragma unroll 4
                 for (int v = tid; v < n_body; v += G) {
                     VecT a = xv[v];
@@ -188,6 +196,7 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
                     for (int e = 0; e < VEC; ++e) { float f = to_float(a.v[e]); ss += f * f; }
                 }
             }
+            ss += head_v * head_v + tail_v * tail_v;
         }
 
         ss = group_sum<G>(ss);
@@ -202,13 +211,14 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
         if (!active) continue;
         const float inv_rms = rsqrtf(ss / (float)hidden + eps);
 
-        // The normalized values come from the rounded residual sum when FUSED: from
-        // registers, or re-read from residual_out (written by this same thread) when streaming.
+        if (has_head) yr[tid] = normalize<T, W>(head_v, inv_rms, weight_at(w, tid, w_offset, flags), flags);
+        if (has_tail) {
+            const int j = tail_start + tid;
+            yr[j] = normalize<T, W>(tail_v, inv_rms, weight_at(w, j, w_offset, flags), flags);
+        }
+        // The body comes from registers, or (streaming) is re-read: from residual_out
+        // when FUSED, where this same thread wrote the rounded sum.
         const T* src = FUSED ? ror : xr;
-        for (int j = tid; j < head; j += G)
-            yr[j] = normalize<T, W>(to_float(src[j]), inv_rms, weight_at(w, j, w_offset, flags), flags);
-        for (int j = tail_start + tid; j < hidden; j += G)
-            yr[j] = normalize<T, W>(to_float(src[j]), inv_rms, weight_at(w, j, w_offset, flags), flags);
         VecT* yv = reinterpret_cast<VecT*>(yr + head);
         const VecT* sv = reinterpret_cast<const VecT*>(src + head);
         const W* wb = w + head;
@@ -227,3 +237,4 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
 }
 
 }  // namespace rmsnorm
+

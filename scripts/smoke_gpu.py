@@ -41,6 +41,20 @@ for dtype, tol in ((np.float32, 1e-5), (np.float16, 2e-3), (BF16, 2e-2)):
             ry, rs = rn.fused_add_rms_norm_reference(x, r, w, casting_mode=mode)
             check(f"fused {np.dtype(dtype).name} {rows}x{hidden} {mode}", y, ry, tol, tol)
             check(f"fused residual {np.dtype(dtype).name} {rows}x{hidden} {mode}", s, rs, 0, 0)
+# many rows: the pipelined variant
+for dtype, tol in ((np.float32, 1e-5), (np.float16, 2e-3), (BF16, 2e-2)):
+    for rows, hidden in ((4096, 4096), (2000, 4095), (3000, 255), (1000, 8192), (4096, 1)):
+        x = rng.standard_normal((rows, hidden)).astype(dtype)
+        r = rng.standard_normal((rows, hidden)).astype(dtype)
+        w = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+        print(rn.launch_plan(rows, hidden, np.dtype(dtype).itemsize, 16 // np.dtype(dtype).itemsize, 132, True))
+        y = rn.rms_norm(cp.asarray(x), cp.asarray(w), casting_mode="llama")
+        check(f"rms {np.dtype(dtype).name} {rows}x{hidden}", y, rn.rms_norm_reference(x, w, casting_mode="llama"), tol, tol)
+        xc, rc = cp.asarray(x), cp.asarray(r)
+        y, s = rn.fused_add_rms_norm(xc, rc, cp.asarray(w), out=xc, residual_out=rc)
+        ry, rs = rn.fused_add_rms_norm_reference(x, r, w)
+        check(f"fused in place {np.dtype(dtype).name} {rows}x{hidden}", y, ry, tol, tol)
+        check(f"fused residual {np.dtype(dtype).name} {rows}x{hidden}", s, rs, 0, 0)
 # odd offset view, in place
 buf = cp.asarray(rng.standard_normal(10 * 4095 + 1).astype(BF16))
 x = buf[1:].reshape(10, 4095)
