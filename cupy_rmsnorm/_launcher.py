@@ -15,6 +15,8 @@ writes five integers and launches (CuPy's generic argument packing costs several
 times that).
 """
 
+import ctypes
+import struct
 import threading
 
 import numpy as np
@@ -36,6 +38,7 @@ PARAMS_DTYPE = np.dtype([
 _STRIDE_FIELDS = {X: "x", RES: "r", OUT: "y", RO: "ro"}
 _KERNEL_POINTERS = (X, RES, OUT, RO, W)  # the kernel's pointer arguments, in order
 _SLOT = {k: i for i, k in enumerate(_KERNEL_POINTERS)}
+_pack_pointers = struct.Struct("<5Q").pack_into
 
 _sm_counts = {}
 
@@ -82,8 +85,8 @@ class Launcher:
         p["eps"], p["w_offset"] = eps, weight_offset
         p["flags"] = (LLAMA if llama else 0) | (HAS_WEIGHT if weight_dtype else 0)
         # cuLaunchKernel's argument array: five pointer slots, then the Params struct
-        self._slots = np.zeros(5, np.uint64)
-        base = self._slots.ctypes.data
+        self._slots = bytearray(8 * 5)               # written with struct.pack_into per call
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
         self._argv = np.array([base + 8 * i for i in range(5)] + [p.ctypes.data], np.uint64)
         self._argv_ptr = self._argv.ctypes.data
         self._by_vec = {}
@@ -166,6 +169,6 @@ class Launcher:
             entry = self.plan_and_function(vector_width_from_bits(itemsize, bits))
         plan, fn = entry
         with self._lock:
-            self._slots[:] = slots
+            _pack_pointers(self._slots, 0, *slots)
             kind.launch(self.device, fn.ptr, plan.grid, plan.block, self._argv_ptr)
         return result

@@ -1,5 +1,6 @@
 """The launcher's pure functions, on the CPU: launch_plan, vector_width, row layout, overlap."""
 
+import dataclasses
 import itertools
 import random
 
@@ -13,64 +14,83 @@ from cupy_rmsnorm._plan import vector_width
 H200_SMS = 132
 A100_SMS = 108
 
-# (rows, hidden, itemsize, vec, sm_count) -> (variant, threads_per_row, vecs_per_thread,
-# rows_per_block, block, grid), worked out by hand from launch_plan's docstring:
-# n = hidden // vec vectors per row; n <= 128: warp variant, group of 8..32 threads with
-# about two vectors each, 256-thread blocks; n <= 4096: a block per row, 64..1024 threads
-# with about two vectors each, at most four; beyond: a 1024-thread streaming block.
-# The grid is ceil(rows / rows_per_block), at least 1, at most 32 blocks per SM.
+# (rows, hidden, itemsize, vec, sm_count, fused) -> (variant, threads_per_row, vecs_per_thread,
+# rows_per_block, block, grid), worked out by hand from launch_plan's docstring and
+# vecs_per_thread_target. With n = hidden // vec vectors per row:
+# - n <= 64: G = next power of two of n within [8, 32], 256-thread blocks of 256 / G rows;
+# - else G = next power of two of n / target within [64, 1024], one row per block, where
+#   target = 1 / 2 / 4 for n <= 512 / 2048 / more when rows <= 256; 4 for rms_norm with
+#   rows * n >= 2**20 and n >= 256; 2 otherwise;
+# - vectors per thread = next power of two of n / G; past 4 (2 fused) G becomes 1024, and
+#   past 1024 x 4 (x 2 fused) vectors the row streams (no vectors kept);
+# - grid ceil(rows / rows_per_block), at least 1, at most 32 blocks per SM.
 PLAN_TABLE = [
-    # short rows: warp variant
-    ((3, 1, 4, 1, H200_SMS), ("warp", 8, 1, 32, 256, 1)),
-    ((5, 7, 2, 1, H200_SMS), ("warp", 8, 1, 32, 256, 1)),
-    ((100, 64, 4, 4, H200_SMS), ("warp", 8, 2, 32, 256, 4)),
-    ((100_000, 128, 2, 8, H200_SMS), ("warp", 8, 2, 32, 256, 3125)),
-    ((1_000_000, 128, 2, 8, H200_SMS), ("warp", 8, 2, 32, 256, 4224)),   # capped at 32 x 132
-    ((1_000_000, 128, 2, 8, A100_SMS), ("warp", 8, 2, 32, 256, 3456)),   # capped at 32 x 108
-    ((257, 255, 2, 8, H200_SMS), ("warp", 16, 2, 16, 256, 17)),
-    ((257, 256, 2, 8, H200_SMS), ("warp", 16, 2, 16, 256, 17)),
-    ((4096, 1024, 2, 8, H200_SMS), ("warp", 32, 4, 8, 256, 512)),         # n = 128, the last warp size
-    ((4096, 520, 2, 8, H200_SMS), ("warp", 32, 4, 8, 256, 512)),          # n = 65: 3 vectors -> 4
-    ((7, 100, 2, 1, H200_SMS), ("warp", 32, 4, 8, 256, 1)),
-    # one block per row, row in registers
-    ((4096, 1032, 2, 8, H200_SMS), ("block", 128, 2, 1, 128, 4096)),      # n = 129
-    ((3, 1000, 4, 4, H200_SMS), ("block", 128, 2, 1, 128, 3)),
-    ((1, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 1)),
-    ((4096, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 4096)),
-    ((5000, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 4224)),
-    ((1000, 4096, 2, 8, 1), ("block", 256, 2, 1, 256, 32)),
-    ((4096, 4096, 2, 2, H200_SMS), ("block", 1024, 2, 1, 1024, 4096)),    # misaligned: vec 2
-    ((4096, 4096, 2, 1, H200_SMS), ("block", 1024, 4, 1, 1024, 4096)),    # misaligned: scalar
-    ((4096, 4096, 4, 4, H200_SMS), ("block", 512, 2, 1, 512, 4096)),
-    ((64, 5120, 2, 8, H200_SMS), ("block", 512, 2, 1, 512, 64)),
-    ((64, 8192, 2, 8, H200_SMS), ("block", 512, 2, 1, 512, 64)),
-    ((64, 16384, 2, 8, H200_SMS), ("block", 1024, 2, 1, 1024, 64)),
-    ((64, 16392, 2, 8, H200_SMS), ("block", 1024, 4, 1, 1024, 64)),      # n = 2049: 3 vectors -> 4
-    ((64, 32768, 2, 8, H200_SMS), ("block", 1024, 4, 1, 1024, 64)),      # n = 4096, the last in registers
-    # rows too long for registers: stream
-    ((64, 32776, 2, 8, H200_SMS), ("stream", 1024, 0, 1, 1024, 64)),     # n = 4097
-    ((2, 65536, 2, 8, H200_SMS), ("stream", 1024, 0, 1, 1024, 2)),
-    ((9000, 262144, 4, 4, H200_SMS), ("stream", 1024, 0, 1, 1024, 4224)),
-    ((3, 8193, 2, 2, H200_SMS), ("block", 1024, 4, 1, 1024, 3)),         # n = 4096 with vec 2: registers
-    ((3, 8196, 2, 2, H200_SMS), ("stream", 1024, 0, 1, 1024, 3)),        # n = 4098: streams
-    # zero rows still make a valid plan (the API does not launch it)
-    ((0, 4096, 2, 8, H200_SMS), ("block", 256, 2, 1, 256, 1)),
+    # n <= 64: groups of 8..32 threads share 256-thread blocks
+    ((3, 1, 4, 1, H200_SMS, False), ("registers", 8, 1, 32, 256, 1)),
+    ((5, 7, 2, 1, H200_SMS, False), ("registers", 8, 1, 32, 256, 1)),
+    ((100, 64, 4, 4, H200_SMS, False), ("registers", 16, 1, 16, 256, 7)),
+    ((257, 256, 2, 8, H200_SMS, False), ("registers", 32, 1, 8, 256, 33)),
+    ((257, 255, 2, 8, H200_SMS, True), ("registers", 32, 1, 8, 256, 33)),
+    ((4096, 512, 2, 8, H200_SMS, False), ("registers", 32, 2, 8, 256, 512)),         # n = 64
+    ((100_000, 128, 2, 8, H200_SMS, False), ("registers", 16, 1, 16, 256, 4224)),    # grid capped
+    ((1_000_000, 128, 2, 8, A100_SMS, True), ("registers", 16, 1, 16, 256, 3456)),   # 32 x 108
+    # few rows (<= 256): spread the row, 1 / 2 / 4 vectors per thread
+    ((7, 100, 2, 1, H200_SMS, False), ("registers", 128, 1, 1, 128, 7)),
+    ((3, 1000, 4, 4, H200_SMS, False), ("registers", 256, 1, 1, 256, 3)),
+    ((1, 4096, 2, 8, H200_SMS, False), ("registers", 512, 1, 1, 512, 1)),
+    ((0, 4096, 2, 8, H200_SMS, False), ("registers", 512, 1, 1, 512, 1)),            # zero rows: valid plan
+    ((1, 8192, 2, 8, H200_SMS, False), ("registers", 512, 2, 1, 512, 1)),
+    ((64, 16384, 2, 8, H200_SMS, True), ("registers", 1024, 2, 1, 1024, 64)),        # n = 2048
+    ((64, 32768, 2, 8, H200_SMS, False), ("registers", 1024, 4, 1, 1024, 64)),       # n = 4096
+    ((3, 8193, 2, 2, H200_SMS, False), ("registers", 1024, 4, 1, 1024, 3)),          # n = 4096
+    # many rows: 2 vectors per thread, 4 for rms_norm once rows x n >= 2**20 and n >= 256
+    ((300, 4096, 2, 8, H200_SMS, False), ("registers", 256, 2, 1, 256, 300)),
+    ((1000, 4096, 2, 8, H200_SMS, False), ("registers", 256, 2, 1, 256, 1000)),
+    ((1000, 4096, 2, 8, 1, False), ("registers", 256, 2, 1, 256, 32)),
+    ((4096, 4096, 2, 8, H200_SMS, False), ("registers", 128, 4, 1, 128, 4096)),
+    ((4096, 4096, 2, 8, H200_SMS, True), ("registers", 256, 2, 1, 256, 4096)),
+    ((5000, 4096, 2, 8, H200_SMS, False), ("registers", 128, 4, 1, 128, 4224)),
+    ((4096, 4096, 2, 2, H200_SMS, False), ("registers", 512, 4, 1, 512, 4096)),      # vec 2
+    ((4096, 4096, 2, 1, H200_SMS, False), ("registers", 1024, 4, 1, 1024, 4096)),    # scalar
+    ((4096, 1024, 2, 8, H200_SMS, False), ("registers", 64, 2, 1, 64, 4096)),        # rows x n < 2**20
+    ((4096, 520, 2, 8, H200_SMS, False), ("registers", 64, 2, 1, 64, 4096)),         # n = 65
+    ((8192, 2048, 2, 8, H200_SMS, False), ("registers", 64, 4, 1, 64, 4224)),        # n = 256
+    ((8192, 2040, 2, 8, H200_SMS, False), ("registers", 128, 2, 1, 128, 4224)),      # n = 255
+    # too long for registers: a 1024-thread block streams the row
+    ((4096, 4096, 2, 1, H200_SMS, True), ("stream", 1024, 0, 1, 1024, 4096)),        # fused, n = 4096
+    ((64, 32768, 2, 8, H200_SMS, True), ("stream", 1024, 0, 1, 1024, 64)),
+    ((64, 32776, 2, 8, H200_SMS, False), ("stream", 1024, 0, 1, 1024, 64)),          # n = 4097
+    ((9000, 262144, 4, 4, H200_SMS, True), ("stream", 1024, 0, 1, 1024, 4224)),
+    ((3, 8196, 2, 2, H200_SMS, False), ("stream", 1024, 0, 1, 1024, 3)),             # n = 4098
 ]
+
+
+def _fields(plan):
+    return (plan.variant, plan.threads_per_row, plan.vecs_per_thread, plan.rows_per_block,
+            plan.block, plan.grid)
 
 
 @pytest.mark.parametrize("args, expected", PLAN_TABLE, ids=[str(a) for a, _ in PLAN_TABLE])
 def test_launch_plan_table(args, expected):
     plan = rn.launch_plan(*args)
-    got = (plan.variant, plan.threads_per_row, plan.vecs_per_thread, plan.rows_per_block,
-           plan.block, plan.grid)
-    assert got == expected
+    assert _fields(plan) == expected
     assert plan.vec == args[3]
     assert plan.template_args() == (args[3], expected[1], expected[2])
 
 
+def test_launch_plan_forced_choices():
+    """threads_per_row / vecs_per_thread (for sweeps) override the heuristic."""
+    p = rn.launch_plan(4096, 4096, 2, 8, H200_SMS, threads_per_row=64, vecs_per_thread=8)
+    assert (p.variant, p.threads_per_row, p.vecs_per_thread, p.block) == ("registers", 64, 8, 64)
+    p = rn.launch_plan(4096, 4096, 2, 8, H200_SMS, threads_per_row=32, vecs_per_thread=16)
+    assert (p.threads_per_row, p.rows_per_block, p.block, p.grid) == (32, 8, 256, 512)
+    p = rn.launch_plan(4096, 4096, 2, 8, H200_SMS, vecs_per_thread=0)
+    assert p.variant == "stream" and p.vecs_per_thread == 0
+
+
 def test_launch_plan_is_frozen():
     plan = rn.launch_plan(4, 4096, 2, 8, H200_SMS)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.grid = 7
     assert plan == rn.launch_plan(4, 4096, 2, 8, H200_SMS)
 
@@ -82,7 +102,7 @@ def test_launch_plan_rejects_bad_arguments(args):
 
 
 def _sampled_hidden_sizes():
-    """1..4200 exhaustively (every warp/block boundary for every vec), then a sample up to 300000
+    """1..4200 exhaustively (every boundary for every vec), then a sample up to 300000
     with the powers of two and their neighbours, where the boundaries sit."""
     rng = random.Random(1234)
     sizes = set(range(1, 4201))
@@ -95,47 +115,54 @@ def _sampled_hidden_sizes():
 
 def test_launch_plan_properties():
     sm_counts = (1, A100_SMS, H200_SMS)
-    rows_options = (0, 1, 3, 257, 4096, 10 ** 6)
+    rows_options = (0, 1, 3, 256, 257, 4096, 10 ** 6)
+    grids = list(itertools.product(rows_options, sm_counts, (False, True)))
     variants_seen = set()
+    count = 0
     for hidden in _sampled_hidden_sizes():
         for itemsize, vec in ((2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)):
             n = hidden // vec
-            for rows, sms in itertools.product(rows_options, sm_counts):
-                p = rn.launch_plan(rows, hidden, itemsize, vec, sms)
-                ctx = (rows, hidden, itemsize, vec, sms, p)
+            count += 1   # rows, SM count and fused cycle with the hidden sizes
+            for rows, sms, fused in (grids[count % len(grids)], grids[(count * 7 + 3) % len(grids)]):
+                p = rn.launch_plan(rows, hidden, itemsize, vec, sms, fused)
+                ctx = (rows, hidden, itemsize, vec, sms, fused, p)
+                max_nv = 2 if fused else 4       # registers left for a second array when fused
                 variants_seen.add(p.variant)
                 assert p.vec == vec, ctx
                 assert p.threads_per_row & (p.threads_per_row - 1) == 0, ctx   # a power of two
+                assert 8 <= p.threads_per_row <= 1024, ctx
                 assert p.block <= 1024, ctx
                 assert p.block == p.threads_per_row * p.rows_per_block, ctx
                 # the kernel's __launch_bounds__ allow max(G, 256) threads
                 assert p.block <= max(p.threads_per_row, 256), ctx
-                assert p.grid >= 1, ctx
-                assert p.grid <= 32 * sms, ctx
+                if p.threads_per_row <= 32:    # shuffle-only reduction: several rows per block
+                    assert p.block == 256, ctx
+                else:                          # shared-memory reduction: one row per block
+                    assert p.rows_per_block == 1, ctx
+                assert 1 <= p.grid <= 32 * sms, ctx
                 # every row is owned by some block (the kernel loops when the grid is capped)
                 assert p.grid * p.rows_per_block >= rows or p.grid == 32 * sms, ctx
                 if p.variant == "stream":
                     assert p.vecs_per_thread == 0 and p.threads_per_row == 1024, ctx
-                    assert n > 1024 * 4, ctx
                 else:
-                    assert 1 <= p.vecs_per_thread <= 4, ctx
-                    assert p.threads_per_row * p.vecs_per_thread >= n, ctx
-                if p.variant == "warp":
-                    assert 8 <= p.threads_per_row <= 32 and p.block == 256, ctx
-                else:   # the shared-memory reduction needs one row per block
-                    assert p.threads_per_row > 32 and p.rows_per_block == 1, ctx
-    assert variants_seen == {"warp", "block", "stream"}
+                    assert p.variant == "registers", ctx
+                    assert 1 <= p.vecs_per_thread <= max_nv, ctx
+                    assert p.threads_per_row * p.vecs_per_thread >= max(n, 1), ctx
+                # streaming exactly when the row cannot fit 1024 threads' registers
+                assert (p.variant == "stream") == (n > 1024 * max_nv), ctx
+    assert variants_seen == {"registers", "stream"}
 
 
 def test_launch_plan_is_monotone_in_hidden():
     """A longer row never gets fewer threads x vectors (no row silently loses its tail)."""
     for vec in (1, 2, 4, 8):
-        prev = 0
-        for hidden in range(1, 40_000, 3):
-            p = rn.launch_plan(16, hidden, 2, vec, H200_SMS)
-            cap = 10 ** 9 if p.variant == "stream" else p.threads_per_row * p.vecs_per_thread
-            assert cap >= prev, (hidden, vec, p)
-            prev = cap
+        for rows in (16, 10 ** 5):
+            prev = 0
+            for hidden in range(1, 40_000, 7):
+                p = rn.launch_plan(rows, hidden, 2, vec, H200_SMS)
+                cap = 10 ** 9 if p.variant == "stream" else p.threads_per_row * p.vecs_per_thread
+                assert cap >= prev, (hidden, vec, p)
+                prev = cap
 
 
 # -- vector_width --------------------------------------------------------------------------
@@ -302,6 +329,13 @@ def test_row_layout_no_common_split():
     assert lay.strides[0] is not None and lay.strides[1] is None
     assert lay.n_inner == 10
     _assert_addresses(b.shape, _elem_strides(b), lay.strides[0], lay.n_inner)
+
+    # an array with two breaks does not set the split; the first with a single one does
+    c = np.empty((4, 6, 5, 16), np.float32)[:, :3]     # (4, 3, 5, 16): break after axis 0
+    lay = _layout_of(three_levels, c)
+    assert lay.strides[0] is None and lay.strides[1] is not None
+    assert lay.n_inner == 15
+    _assert_addresses(c.shape, _elem_strides(c), lay.strides[1], lay.n_inner)
 
 
 def test_row_layout_none_input_stays_none():

@@ -1,0 +1,212 @@
+"""Per-call host cost of cupy_rmsnorm from Python, against torch, in one run (issue 3).
+
+Decode normalizes one row per sequence, and its kernels take a few microseconds, so
+what each call costs the CPU decides the step time. Each case makes CALLS back-to-back
+calls on a 1 x 4096 bfloat16 row after a warm-up:
+
+- host:  the time to issue the calls, per call (time.perf_counter around the loop);
+- total: the same plus the final device synchronize, per call: when the GPU is the
+         slower side, this is the GPU-bound rate and host is the queue filling up.
+
+Each figure is the median of REPEATS repeats. torch cases run under
+torch.inference_mode(), as decode does. "launch floor" cases call the cached
+cupy.cuda.Function directly with the arguments the library built (what is left when
+all of the library's Python is gone).
+
+    python benchmarks/host_overhead.py --out host_overhead.json
+"""
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cupy_rmsnorm as rn  # noqa: E402
+
+
+def measure(fn, sync, calls, repeats, warmup):
+    for _ in range(warmup):
+        fn()
+    sync()
+    host, total = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        total.append((t2 - t0) / calls * 1e6)
+    return {"host_us": statistics.median(host), "total_us": statistics.median(total),
+            "host_us_repeats": host, "total_us_repeats": total}
+
+
+def _capture_launch(kind, call):
+    """Run ``call`` once with ``kind.launch`` spied on; return its arguments
+    (device, kernel pointer, grid, block, argument-array pointer)."""
+    raw = kind.__dict__["launch"]
+    seen = []
+
+    def spy(*args):
+        seen.append(args)
+        return raw.__func__(kind, *args) if isinstance(raw, classmethod) else raw.__func__(*args)
+
+    setattr(kind, "launch", staticmethod(spy))
+    try:
+        call()
+    finally:
+        setattr(kind, "launch", raw)
+    if not seen:
+        raise RuntimeError("no launch seen")
+    return seen[-1]
+
+
+def cupy_cases(rows, hidden):
+    import cupy
+    import ml_dtypes
+    from cupy_rmsnorm._interop import CupyKind
+
+    rng = np.random.default_rng(0)
+    bf16 = ml_dtypes.bfloat16
+    x = cupy.asarray(rng.standard_normal((rows, hidden)).astype(bf16))
+    r = cupy.asarray(rng.standard_normal((rows, hidden)).astype(bf16))
+    w = cupy.asarray((1 + 0.1 * rng.standard_normal(hidden)).astype(bf16))
+    out, res_out = cupy.empty_like(x), cupy.empty_like(x)
+    cases = {
+        "cupy_rmsnorm rms_norm, CuPy": functools.partial(rn.rms_norm, x, w),
+        "cupy_rmsnorm rms_norm, CuPy, out=": functools.partial(rn.rms_norm, x, w, out=out),
+        "cupy_rmsnorm fused, CuPy": functools.partial(rn.fused_add_rms_norm, x, r, w),
+        "cupy_rmsnorm fused, CuPy, out= residual_out=": functools.partial(
+            rn.fused_add_rms_norm, x, r, w, out=out, residual_out=res_out),
+    }
+    try:
+        launch_args = _capture_launch(CupyKind, cases["cupy_rmsnorm rms_norm, CuPy, out="])
+        cases["launch floor: cached kernel, CuPy"] = functools.partial(CupyKind.launch, *launch_args)
+    except Exception as e:  # noqa: BLE001 - the floor is informative, not essential
+        print(f"(no CuPy launch floor: {type(e).__name__}: {e})")
+    return cases
+
+
+def torch_cases(rows, hidden):
+    import torch
+    import torch.nn.functional as F
+    from cupy_rmsnorm._interop import TorchKind
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    r = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    xi, ri = x.clone(), r.clone()   # for the in-place forms; their values drift, the cost does not
+
+    def torch_add_norm():
+        return F.rms_norm(x + r, (hidden,), w, 1e-6)
+
+    def torch_add_inplace_norm():
+        ri.add_(xi)
+        return F.rms_norm(ri, (hidden,), w, 1e-6)
+
+    cases = {
+        "cupy_rmsnorm rms_norm, torch": functools.partial(rn.rms_norm, x, w),
+        "cupy_rmsnorm rms_norm, torch, out=": functools.partial(rn.rms_norm, x, w, out=out),
+        "torch F.rms_norm": functools.partial(F.rms_norm, x, (hidden,), w, 1e-6),
+        "cupy_rmsnorm fused, torch": functools.partial(rn.fused_add_rms_norm, x, r, w),
+        "cupy_rmsnorm fused in place, torch": functools.partial(
+            rn.fused_add_rms_norm, xi, ri, w, out=xi, residual_out=ri),
+        "torch x + r, then F.rms_norm": torch_add_norm,
+        "torch r.add_(x), then F.rms_norm": torch_add_inplace_norm,
+    }
+    try:
+        launch_args = _capture_launch(TorchKind, cases["cupy_rmsnorm rms_norm, torch, out="])
+        cases["launch floor: cached kernel, torch stream"] = functools.partial(TorchKind.launch, *launch_args)
+    except Exception as e:  # noqa: BLE001
+        print(f"(no torch launch floor: {type(e).__name__}: {e})")
+    return cases
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Per-call host cost of cupy_rmsnorm vs torch (back-to-back calls).")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=2000, help="calls per timed repeat")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--out", help="write the results as JSON to this path")
+    args = p.parse_args(argv)
+
+    try:
+        import cupy
+        device_name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
+        device_name = device_name.decode() if isinstance(device_name, bytes) else device_name
+    except Exception as e:  # noqa: BLE001
+        sys.exit(f"host_overhead: needs a CUDA GPU through CuPy ({type(e).__name__}: {e})")
+
+    def sync():
+        cupy.cuda.Device().synchronize()
+
+    env = {"device": device_name, "python": platform.python_version(), "cupy": cupy.__version__,
+           "numpy": np.__version__, "cupy_rmsnorm": rn.__version__}
+    groups = [("cupy", cupy_cases, None)]
+    try:
+        import torch
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            groups.append(("torch", torch_cases, torch.inference_mode))
+        else:
+            print("(torch sees no CUDA device: torch cases skipped)")
+    except ImportError:
+        print("(torch is not installed: torch cases skipped)")
+
+    results = []
+    for group, make_cases, context in groups:
+        try:
+            if context is not None:
+                with context():
+                    cases = make_cases(args.rows, args.hidden)
+            else:
+                cases = make_cases(args.rows, args.hidden)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other group
+            results.append({"case": f"({group} setup)", "error": f"{type(e).__name__}: {e}"})
+            continue
+        for name, fn in cases.items():
+            try:
+                if context is not None:
+                    with context():
+                        m = measure(fn, sync, args.calls, args.repeats, args.warmup)
+                else:
+                    m = measure(fn, sync, args.calls, args.repeats, args.warmup)
+                results.append({"case": name, **m})
+            except Exception as e:  # noqa: BLE001
+                results.append({"case": name, "error": f"{type(e).__name__}: {e}"})
+
+    baseline = next((r["host_us"] for r in results if r["case"] == "torch F.rms_norm" and "host_us" in r), None)
+    print(f"\nhost overhead per call, {args.rows} x {args.hidden} bfloat16, {args.calls} back-to-back calls, "
+          f"median of {args.repeats}; {device_name}")
+    print(f"{'case':<48} {'host us':>9} {'total us':>9} {'host / F.rms_norm':>18}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']:<48} error: {r['error']}")
+            continue
+        ratio = f"{r['host_us'] / baseline:.2f}" if baseline else "-"
+        print(f"{r['case']:<48} {r['host_us']:>9.2f} {r['total_us']:>9.2f} {ratio:>18}")
+
+    if args.out:
+        doc = {"benchmark": "host_overhead", "shape": [args.rows, args.hidden], "dtype": "bfloat16",
+               "calls": args.calls, "repeats": args.repeats, "warmup": args.warmup,
+               "environment": env, "results": results}
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""The implementations a sweep compares: ours and the peers.
+
+Each one becomes a zero-argument callable over the inputs of one ``Case`` (x, residual,
+weight of one op, dtype and shape), run by the CuPy or the torch runner of ``timing``.
+The torch tensors are zero-copy views of the CuPy inputs, so every implementation reads
+the very same memory. torch, Triton and Liger-Kernel are optional: what is missing is
+reported and left out.
+"""
+
+import functools
+import importlib
+import importlib.util
+
+EPS = 1e-6
+
+IMPLS = ("ours", "ours_torch", "cupy", "torch_eager", "F.rms_norm", "torch_compile", "liger")
+OURS = ("ours", "ours_torch")
+PEERS = ("cupy", "torch_eager", "F.rms_norm", "torch_compile", "liger")   # "best peer" is among these
+SELECTABLE = ("ours_torch",) + PEERS        # what --peers chooses; "ours" always runs
+RUNNER_KIND = {"ours": "cupy", "cupy": "cupy", "ours_torch": "torch", "torch_eager": "torch",
+               "F.rms_norm": "torch", "torch_compile": "torch", "liger": "torch"}
+DESCRIPTIONS = {
+    "ours": "cupy_rmsnorm on CuPy arrays, outputs preallocated (out=, residual_out=)",
+    "ours_torch": "cupy_rmsnorm on torch tensors, outputs allocated per call (as F.rms_norm does)",
+    "cupy": "ordinary CuPy calls: astype float32, mean of squares, rsqrt, multiply, astype back, "
+            "times weight (fused: x + residual first)",
+    "torch_eager": "HF LlamaRMSNorm-style eager torch (fused: x + residual first)",
+    "F.rms_norm": "torch.nn.functional.rms_norm (fused: x + residual, then F.rms_norm)",
+    "torch_compile": "the torch_eager function under torch.compile(fullgraph=True); --compile tokens: "
+                     "token axis dynamic, hidden static (as a server compiles); static: one compile "
+                     "per shape",
+    "liger": "Liger-Kernel LigerRMSNormFunction / LigerFusedAddRMSNormFunction, llama casting",
+}
+
+
+COMPILE_MODES = ("tokens", "static")
+
+
+class Unsupported(Exception):
+    """This implementation does not offer this op (not an error of the run)."""
+
+
+# -- what is installed -----------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def torch_missing():
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return f"PyTorch is not importable ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA device"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def liger_missing():
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed"
+    try:
+        import liger_kernel.ops.rms_norm  # noqa: F401 - the import is the check
+    except Exception as e:  # noqa: BLE001
+        return f"liger_kernel.ops.rms_norm does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def availability(names):
+    """(the names that can run, in IMPLS order; {name: why not} for the others)."""
+    available, missing = [], {}
+    for name in IMPLS:
+        if name not in names:
+            continue
+        reason = None
+        if RUNNER_KIND[name] == "torch":
+            reason = torch_missing()
+        if reason is None and name in ("torch_compile", "liger") and importlib.util.find_spec("triton") is None:
+            reason = "Triton is not installed"
+        if reason is None and name == "liger":
+            reason = liger_missing()
+        if reason:
+            missing[name] = reason
+        else:
+            available.append(name)
+    return available, missing
+
+
+def versions():
+    """Versions of what took part, for the JSON report."""
+    import platform
+    from importlib import metadata
+    out = {"python": platform.python_version()}
+    for module in ("numpy", "ml_dtypes", "cupy", "cupy_rmsnorm"):
+        try:
+            out[module] = importlib.import_module(module).__version__
+        except Exception:  # noqa: BLE001 - a missing package is simply not listed
+            pass
+    if torch_missing() is None:
+        import torch
+        out["torch"] = torch.__version__
+        out["torch_cuda"] = torch.version.cuda
+    for dist in ("triton", "liger-kernel"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+# -- dtypes and zero-copy views ------------------------------------------------------------------
+def cupy_dtype(name):
+    import numpy as np
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+# bfloat16 <-> float32 through the bits (a bfloat16 is the top half of a float32), so the
+# inputs and the reference lean on no CuPy bfloat16 arithmetic; only the "cupy" peer does.
+@functools.lru_cache(maxsize=None)
+def _bf16_kernels():
+    import cupy
+    to_f32 = cupy.ElementwiseKernel(
+        "uint16 u", "float32 f", "f = __uint_as_float(((unsigned int)u) << 16)", "bench_bf16_to_f32")
+    from_f32 = cupy.ElementwiseKernel(     # round to nearest even, NaN stays NaN
+        "float32 f", "uint16 u",
+        """unsigned int b = __float_as_uint(f);
+        u = (b & 0x7fffffffu) > 0x7f800000u ? (unsigned short)0x7fc0
+            : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);""",
+        "bench_f32_to_bf16")
+    return to_f32, from_f32
+
+
+def to_float32(a):
+    """A float32 copy of a float32 / float16 / bfloat16 CuPy array (exact)."""
+    import cupy
+    if a.dtype.name == "bfloat16":
+        return _bf16_kernels()[0](a.view(cupy.uint16))
+    return a.astype(cupy.float32)
+
+
+def from_float32(a32, dtype_name):
+    """``a32`` rounded to ``dtype_name`` (round to nearest even)."""
+    if dtype_name == "bfloat16":
+        return _bf16_kernels()[1](a32).view(cupy_dtype("bfloat16"))
+    return a32.astype(cupy_dtype(dtype_name))
+
+
+def poison(a):
+    """All-ones bits: a NaN in float32, float16 and bfloat16 alike."""
+    import cupy
+    a.view({2: cupy.uint16, 4: cupy.uint32}[a.itemsize]).fill(0xFFFF if a.itemsize == 2 else 0xFFFFFFFF)
+
+
+def to_torch(a):
+    """A torch view of a CuPy array (16-bit types travel as int16, then are viewed back:
+    that works whatever DLPack bfloat16 support either side has)."""
+    import cupy
+    import torch
+    if a.dtype.itemsize == 2:
+        torch_dtype = torch.bfloat16 if a.dtype.name == "bfloat16" else torch.float16
+        return torch.from_dlpack(a.view(cupy.int16)).view(torch_dtype)
+    return torch.from_dlpack(a)
+
+
+def to_cupy(t, dtype_name):
+    """A CuPy view of a torch tensor (same int16 route for 16-bit types)."""
+    import cupy
+    import torch
+    t = t.contiguous()
+    if t.element_size() == 2:
+        return cupy.from_dlpack(t.view(torch.int16)).view(cupy_dtype(dtype_name))
+    return cupy.from_dlpack(t)
+
+
+# -- the inputs of one measurement -------------------------------------------------------------
+class Case:
+    """Random inputs of one (op, dtype, tokens, hidden) on the current GPU, shared by
+    every implementation, with our preallocated outputs and a float32 reference."""
+
+    def __init__(self, op, dtype, tokens, hidden, seed=0):
+        import cupy
+        self.op, self.dtype, self.tokens, self.hidden = op, dtype, tokens, hidden
+        dt = cupy_dtype(dtype)
+        rng = cupy.random.default_rng(seed)
+        shape = (tokens, hidden)
+
+        def normal(*size, mean=0.0, std=1.0):
+            return from_float32(mean + std * rng.standard_normal(size, dtype=cupy.float32), dtype)
+        self.x = normal(*shape)
+        self.residual = normal(*shape) if op == "fused" else None
+        self.weight = normal(hidden, mean=1.0, std=0.1)
+        self.out = cupy.empty(shape, dtype=dt)
+        self.residual_out = cupy.empty(shape, dtype=dt) if op == "fused" else None
+        self._torch = None
+        self._reference = None
+        cupy.cuda.Device().synchronize()   # inputs ready before other streams read them
+
+    def torch_inputs(self):
+        """(x, residual or None, weight) as torch views of the CuPy inputs."""
+        if self._torch is None:
+            self._torch = (to_torch(self.x),
+                           to_torch(self.residual) if self.residual is not None else None,
+                           to_torch(self.weight))
+        return self._torch
+
+    def reference(self):
+        """float32 result of the op (no final rounding): the sum x + residual is rounded
+        to the dtype first, as the numerics contract says."""
+        if self._reference is None:
+            import cupy
+            import cupyx
+            s32 = to_float32(self.x)
+            if self.op == "fused":   # x + residual in float32, rounded as a dtype add rounds
+                s32 = to_float32(from_float32(s32 + to_float32(self.residual), self.dtype))
+            inv_rms = cupyx.rsqrt(cupy.mean(s32 * s32, axis=-1, keepdims=True) + EPS)
+            self._reference = s32 * inv_rms * to_float32(self.weight)
+        return self._reference
+
+    def max_abs_err(self, result):
+        """Largest |result - reference| of the normalized output (a sanity check that
+        what was timed computes the op; llama casting rounds twice, so a few ulp)."""
+        import cupy
+        y = result[0] if isinstance(result, tuple) else result
+        if not isinstance(y, cupy.ndarray):
+            y = to_cupy(y, self.dtype)
+        return float(cupy.max(cupy.abs(to_float32(y) - self.reference())))
+
+    def poison_outputs(self):
+        """NaN into our preallocated outputs, so a result read later must have been written."""
+        import cupy
+        for a in (self.out, self.residual_out):
+            if a is not None:
+                poison(a)
+        cupy.cuda.Device().synchronize()
+
+    def release(self):
+        self.x = self.residual = self.weight = self.out = self.residual_out = None
+        self._torch = self._reference = None
+
+
+# -- the implementations ---------------------------------------------------------------------------
+def cupy_rms_norm(x, weight, eps):
+    """RMSNorm as a CuPy user writes it (HF Llama's order of casts)."""
+    import cupy
+    import cupyx
+    x32 = x.astype(cupy.float32)
+    inv_rms = cupyx.rsqrt(cupy.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * (x32 * inv_rms).astype(x.dtype)
+
+
+def cupy_fused_add_rms_norm(x, residual, weight, eps):
+    s = x + residual
+    return cupy_rms_norm(s, weight, eps), s
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_functions():
+    """The eager torch peers, made once per process."""
+    import torch
+    import torch.nn.functional as F
+
+    def eager_rms(x, weight, eps):            # transformers' LlamaRMSNorm.forward
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + eps)
+        return weight * h.to(input_dtype)
+
+    def eager_fused(x, residual, weight, eps):
+        s = x + residual
+        return eager_rms(s, weight, eps), s
+
+    def f_rms(x, weight, eps):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def f_fused(x, residual, weight, eps):
+        s = x + residual
+        return F.rms_norm(s, (s.shape[-1],), weight, eps), s
+
+    return {"torch_eager": (eager_rms, eager_fused), "F.rms_norm": (f_rms, f_fused)}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_functions(mode):
+    """torch.compile(fullgraph=True) of the eager functions (one mode per process: the
+    compiled variants of a function share Dynamo's cache).
+
+    ``"tokens"``: the token axis is marked dynamic (see ``build``) and nothing else
+    becomes dynamic, so there is one compile per hidden size and dtype (plus the
+    one-token case, which Dynamo specializes), as a server compiles its model.
+    ``"static"``: one compile per shape and dtype.
+    """
+    import torch
+    import torch._dynamo
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {mode!r}")
+    cfg = torch._dynamo.config
+    # lift Dynamo's per-function recompile limit (8 by default) past the grid, else
+    # fullgraph=True fails on the ninth shape
+    for names in (("recompile_limit", "cache_size_limit"),
+                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        for attr in names:
+            if hasattr(cfg, attr):
+                setattr(cfg, attr, max(getattr(cfg, attr), 4096))
+                break
+    if mode == "tokens":
+        cfg.automatic_dynamic_shapes = False   # a new hidden size recompiles static, never generic
+        options = {}
+    else:
+        options = {"dynamic": False}
+    eager_rms, eager_fused = _torch_functions()["torch_eager"]
+    return (torch.compile(eager_rms, fullgraph=True, **options),
+            torch.compile(eager_fused, fullgraph=True, **options))
+
+
+def _mark_token_axis_dynamic(*tensors):
+    import torch._dynamo
+    mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+    for t in tensors:
+        if t is None:
+            continue
+        if mark is not None:
+            mark(t, 0)                      # a hint: a one-token shape may still specialize
+        elif t.shape[0] > 1:
+            torch._dynamo.mark_dynamic(t, 0)
+
+
+def _liger_functions(op):
+    if op == "rms":
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        return LigerRMSNormFunction.apply
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    except ImportError as e:
+        raise Unsupported(f"this liger-kernel has no fused add rms norm ({e})") from None
+    return LigerFusedAddRMSNormFunction.apply
+
+
+def build(name, case, compile_mode="tokens"):
+    """A zero-argument callable running one call of ``name`` on ``case``'s inputs.
+    It returns the output (rms) or (output, residual_out) (fused)."""
+    import cupy_rmsnorm as rn
+    fused = case.op == "fused"
+    if name == "ours":
+        x, r, w, y, s = case.x, case.residual, case.weight, case.out, case.residual_out
+        if fused:
+            return lambda: rn.fused_add_rms_norm(x, r, w, EPS, out=y, residual_out=s)
+        return lambda: rn.rms_norm(x, w, EPS, out=y)
+    if name == "cupy":
+        x, r, w = case.x, case.residual, case.weight
+        if fused:
+            return lambda: cupy_fused_add_rms_norm(x, r, w, EPS)
+        return lambda: cupy_rms_norm(x, w, EPS)
+
+    x, r, w = case.torch_inputs()
+    if name == "ours_torch":
+        if fused:
+            return lambda: rn.fused_add_rms_norm(x, r, w, EPS)
+        return lambda: rn.rms_norm(x, w, EPS)
+    if name == "liger":
+        apply = _liger_functions(case.op)
+        if fused:
+            return lambda: apply(x, r, w, EPS)
+        return lambda: apply(x, w, EPS)
+    if name in ("torch_eager", "F.rms_norm", "torch_compile"):
+        if name == "torch_compile":
+            rms_fn, fused_fn = _compiled_functions(compile_mode)
+            if compile_mode == "tokens":
+                _mark_token_axis_dynamic(x, r)
+        else:
+            rms_fn, fused_fn = _torch_functions()[name]
+        if fused:
+            return lambda: fused_fn(x, r, w, EPS)
+        return lambda: rms_fn(x, w, EPS)
+    raise ValueError(f"unknown implementation {name!r}")

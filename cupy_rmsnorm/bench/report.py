@@ -1,0 +1,295 @@
+"""The report: result records, console tables, CSV / JSON / Markdown files and charts.
+
+Everything here works on plain records (dicts), so it runs and is tested without a GPU,
+and ``--replot`` can redraw a saved run.
+"""
+
+import csv
+import dataclasses
+import json
+import math
+import os
+
+from .peers import IMPLS, OURS, PEERS
+from .shapes import MODE_TITLES, MODES, OP_TITLES, OPS
+
+FIELDS = ("op", "dtype", "tokens", "hidden", "impl", "mode", "us", "GBps", "pct_copy", "bytes",
+          "calls", "repeats", "max_abs_err")
+PLAN_TEXT_KEYS = (("variant", ""), ("threads_per_row", "g"), ("vecs_per_thread", "nv"),
+                  ("vec", "v"), ("block", "b"), ("grid", "grid"))
+
+
+def make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, copy_gbps, calls, repeats,
+                max_abs_err=None, plan=None):
+    """One measurement: ``us`` microseconds per call moving ``nbytes`` logical bytes."""
+    gbps = nbytes / (us * 1e3) if us > 0 else float("inf")
+    if dataclasses.is_dataclass(plan):
+        plan = dataclasses.asdict(plan)
+    return {"op": op, "dtype": dtype, "tokens": tokens, "hidden": hidden, "impl": impl, "mode": mode,
+            "us": us, "GBps": gbps, "pct_copy": 100.0 * gbps / copy_gbps if copy_gbps else None,
+            "bytes": nbytes, "calls": calls, "repeats": repeats, "max_abs_err": max_abs_err,
+            "plan": plan}
+
+
+# -- numbers as text ------------------------------------------------------------------------------
+def fmt_us(v):
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def fmt_gbps(v):
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def fmt_pct(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+def plan_text(plan):
+    """A launch plan in a few characters: ``block g256 nv2 v8 b256 grid4096``."""
+    if not plan:
+        return "-"
+    parts = [f"{prefix}{plan[key]}" for key, prefix in PLAN_TEXT_KEYS if key in plan]
+    known = {key for key, _ in PLAN_TEXT_KEYS} | {"rows_per_block"}
+    parts += [f"{k}={v}" for k, v in plan.items() if k not in known]
+    return " ".join(parts)
+
+
+def geomean(values):
+    values = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def render_table(headers, rows, left=(0,)):
+    """Columns padded to their widest cell; ``left`` columns left-aligned, others right."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+# -- grouping -------------------------------------------------------------------------------------
+def _order(values, preferred):
+    seen = list(dict.fromkeys(values))
+    return [v for v in preferred if v in seen] + [v for v in seen if v not in preferred]
+
+
+def group(records):
+    """{(mode, op, dtype): {(tokens, hidden): {impl: record}}}, modes and ops in the
+    usual order, dtypes and shapes as measured."""
+    modes = _order([r["mode"] for r in records], MODES)
+    ops = _order([r["op"] for r in records], OPS)
+    dtypes = _order([r["dtype"] for r in records], ())
+    out = {}
+    for mode in modes:
+        for op in ops:
+            for dtype in dtypes:
+                by_shape = {}
+                for r in records:
+                    if (r["mode"], r["op"], r["dtype"]) == (mode, op, dtype):
+                        by_shape.setdefault((r["tokens"], r["hidden"]), {})[r["impl"]] = r
+                if by_shape:
+                    out[(mode, op, dtype)] = by_shape
+    return out
+
+
+def best_peer(by_impl):
+    """(name, record) of the fastest peer (not ours) among ``by_impl``, or None."""
+    peers = [(r["us"], name) for name, r in by_impl.items() if name not in OURS and name in PEERS]
+    if not peers:
+        return None
+    us, name = min(peers)
+    return name, by_impl[name]
+
+
+def impls_present(by_shape):
+    names = {name for d in by_shape.values() for name in d}
+    return _order(sorted(names), IMPLS)
+
+
+# -- console -----------------------------------------------------------------------------------------
+def format_tables(records):
+    """Per mode, op and dtype: our time, GB/s, % of copy bandwidth, our time over each
+    other implementation's, the ratio to the best peer and our launch plan."""
+    blocks = []
+    for (mode, op, dtype), by_shape in group(records).items():
+        others = [n for n in impls_present(by_shape) if n != "ours"]
+        headers = ["shape", "ours us", "GB/s", "%copy"] + others + ["vs best peer", "plan"]
+        rows, to_best, wins = [], [], 0
+        for (tokens, hidden), d in by_shape.items():
+            ours = d.get("ours")
+            row = [f"{tokens}x{hidden}"]
+            row += [fmt_us(ours["us"]), fmt_gbps(ours["GBps"]), fmt_pct(ours["pct_copy"])] if ours else ["-"] * 3
+            row += [f"{ours['us'] / d[n]['us']:.2f}" if ours and n in d else "-" for n in others]
+            best = best_peer(d)
+            if ours and best:
+                ratio = ours["us"] / best[1]["us"]
+                to_best.append(ratio)
+                wins += ratio <= 1.0
+                row.append(f"{ratio:.2f} {best[0]}")
+            else:
+                row.append("-")
+            plan = next((r.get("plan") for r in d.values() if r.get("plan")), None)
+            row.append(plan_text(plan))
+            rows.append(row)
+        title = f"== {OP_TITLES.get(op, op)}, {dtype}, {MODE_TITLES.get(mode, mode)}"
+        note = "   ratio columns: our time / theirs (below 1: ours is faster)" if others else ""
+        n = len(headers)
+        block = [title] + ([note] if note else []) + [render_table(headers, rows, left=(0, n - 2, n - 1))]
+        g = geomean(to_best)
+        if g is not None:
+            block.append(f"   geomean ours / best peer: {g:.3f}; ours at or below the best peer "
+                         f"at {wins} of {len(to_best)} shapes")
+        blocks.append("\n".join(block))
+    return "\n\n".join(blocks)
+
+
+def format_header(meta):
+    lines = []
+    if meta.get("gpu"):
+        lines.append(f"GPU: {meta['gpu']} ({meta.get('sm_count', '?')} SMs, compute capability "
+                     f"{meta.get('compute_capability', '?')}), driver {meta.get('driver_version') or '?'}, "
+                     f"CUDA driver API {meta.get('cuda_driver_api', '?')}")
+    if meta.get("copy_GBps"):
+        lines.append(f"copy bandwidth: {meta['copy_GBps']:.0f} GB/s (device-to-device memcpy of "
+                     f"{meta.get('copy_bytes', 0) >> 20} MiB, bytes read + written): the ceiling")
+    if meta.get("versions"):
+        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    if meta.get("git_commit"):
+        lines.append(f"git: {meta['git_commit']}{' (uncommitted changes)' if meta.get('git_dirty') else ''}")
+    return "\n".join(lines)
+
+
+def format_first_call(first_call):
+    lines = []
+    for fc in first_call or []:
+        what = f"{OP_TITLES.get(fc.get('op'), fc.get('op'))} {fc.get('tokens')}x{fc.get('hidden')} {fc.get('dtype')}"
+        if "error" in fc:
+            lines.append(f"first call, {what}: {fc['error']}")
+        else:
+            lines.append(f"first call in a fresh process, {what}: empty kernel cache "
+                         f"{fc['empty_cache_ms']:.0f} ms, warm cache {fc['warm_cache_ms']:.1f} ms "
+                         f"(second call {fc['second_call_ms']:.2f} ms)")
+    return "\n".join(lines)
+
+
+def format_markdown(records, mode="graph", dtype=None):
+    """A Markdown table for the README: per shape and op, our time, the best peer's and
+    the ratio, for one mode and dtype."""
+    recs = [r for r in records if r["mode"] == mode and (dtype is None or r["dtype"] == dtype)]
+    if not recs:
+        return ""
+    dtype = dtype or recs[0]["dtype"]
+    recs = [r for r in recs if r["dtype"] == dtype]
+    groups = group(recs)
+    ops = [op for op in _order([r["op"] for r in recs], OPS)]
+    shapes = list(dict.fromkeys((r["tokens"], r["hidden"]) for r in recs))
+    head = ["tokens x hidden"]
+    for op in ops:
+        head += [f"{OP_TITLES.get(op, op)} us", "best peer us", "ours / best"]
+    lines = [f"GPU time per call ({mode} mode, {dtype}, microseconds); ratio below 1: ours is faster.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape in shapes:
+        cells = [f"{shape[0]} x {shape[1]}"]
+        for op in ops:
+            d = groups.get((mode, op, dtype), {}).get(shape, {})
+            ours, best = d.get("ours"), best_peer(d)
+            cells.append(fmt_us(ours["us"]) if ours else "-")
+            cells.append(f"{fmt_us(best[1]['us'])} ({best[0]})" if best else "-")
+            cells.append(f"{ours['us'] / best[1]['us']:.2f}" if ours and best else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -- files ------------------------------------------------------------------------------------------
+def plan_keys(records):
+    return list(dict.fromkeys(k for r in records for k in (r.get("plan") or {})))
+
+
+def write_csv(path, records):
+    keys = plan_keys(records)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(list(FIELDS) + [f"plan_{k}" for k in keys])
+        for r in records:
+            plan = r.get("plan") or {}
+            w.writerow(["" if r.get(k) is None else r[k] for k in FIELDS]
+                       + ["" if plan.get(k) is None else plan[k] for k in keys])
+
+
+def _json_safe(obj):
+    """NaN and infinities as strings (JSON has none); everything else as is."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path, payload):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_json_safe(payload), f, indent=1, default=str)
+        f.write("\n")
+
+
+def load_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+CHART_MODES = ("graph", "cold")
+
+
+def write_charts(out_dir, stem, records, copy_gbps, modes=CHART_MODES):
+    """GB/s against tokens: one PNG per mode and dtype, a row of panels per op, a panel
+    per swept hidden size, a line per implementation, the copy bandwidth as the ceiling.
+    Returns the paths written ([] without matplotlib)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return []
+    paths = []
+    for mode in modes:
+        for dtype in _order([r["dtype"] for r in records if r["mode"] == mode], ()):
+            recs = [r for r in records if r["mode"] == mode and r["dtype"] == dtype]
+            ops = _order([r["op"] for r in recs], OPS)
+            tokens_by_hidden = {}
+            for r in recs:
+                tokens_by_hidden.setdefault(r["hidden"], set()).add(r["tokens"])
+            hiddens = sorted(h for h, ts in tokens_by_hidden.items() if len(ts) >= 2) or sorted(tokens_by_hidden)
+            fig = Figure(figsize=(5.2 * len(hiddens), 3.9 * len(ops)), layout="constrained")
+            axes = fig.subplots(len(ops), len(hiddens), squeeze=False)
+            for i, op in enumerate(ops):
+                for j, hidden in enumerate(hiddens):
+                    ax = axes[i][j]
+                    sel = [r for r in recs if r["op"] == op and r["hidden"] == hidden]
+                    for impl in _order(sorted({r["impl"] for r in sel}), IMPLS):
+                        pts = sorted((r["tokens"], r["GBps"]) for r in sel if r["impl"] == impl)
+                        ours = impl in OURS
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                                linewidth=2.2 if ours else 1.1, zorder=3 if ours else 2, label=impl)
+                    if copy_gbps:
+                        ax.axhline(copy_gbps, linestyle="--", color="black", linewidth=1,
+                                   label=f"copy bandwidth ({copy_gbps:.0f} GB/s)")
+                    ax.set_xscale("log", base=2)
+                    ticks = sorted({r["tokens"] for r in sel})
+                    ax.set_xticks(ticks)
+                    ax.set_xticklabels([str(t) for t in ticks])
+                    ax.minorticks_off()
+                    ax.set_title(f"{OP_TITLES.get(op, op)}, hidden {hidden}", fontsize=10)
+                    ax.set_xlabel("tokens")
+                    ax.set_ylabel("GB/s")
+                    ax.grid(alpha=0.3)
+            axes[0][0].legend(fontsize=7, loc="upper left")
+            fig.suptitle(f"{dtype}, {MODE_TITLES.get(mode, mode)}", fontsize=10)
+            path = os.path.join(out_dir, f"{stem}_{mode}_{dtype}.png")
+            fig.savefig(path, dpi=110)
+            paths.append(path)
+    return paths

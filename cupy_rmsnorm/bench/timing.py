@@ -1,0 +1,390 @@
+"""Timing primitives: streams, CUDA graphs, the three modes, copy bandwidth, first-call latency.
+
+Every time here comes from CUDA events recorded on the stream the work runs on (a wall
+clock around an asynchronous launch measures nothing). Two runners own a stream each:
+
+- ``CupyRunner`` for callables on CuPy arrays: a non-blocking CuPy stream, graphs from
+  CuPy's stream capture.
+- ``TorchRunner`` for callables on torch tensors: a torch side stream, graphs from
+  ``torch.cuda.CUDAGraph`` (torch's allocator must know about the capture, so that what a
+  callable allocates comes from the graph's private pool).
+
+Events are CuPy events in both cases (recorded on a CuPy view of torch's stream), so
+the three timers below serve both runners.
+"""
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+GRAPH_TARGET_US = 5000.0   # aim for ~5 ms per replay: long against launch jitter, short overall
+COPY_BYTES = 1 << 30       # per buffer of the bandwidth copy: far past L2, so it measures HBM
+SCRATCH_BYTES = 512 << 20  # written before each cold call: several times the L2 (H200: 60 MB)
+WARMUP_CALLS = 3
+
+
+def gpu_missing():
+    """None when CuPy sees a CUDA GPU, else a one-line reason (never raises)."""
+    try:
+        import cupy
+    except Exception as e:  # noqa: BLE001 - any import failure means no GPU path
+        return f"CuPy is not importable ({type(e).__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, no device, CUDA_VISIBLE_DEVICES=""
+        return f"{type(e).__name__}: {e}"
+    return None if n > 0 else "the CUDA device count is 0"
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def calls_for(nbytes, bandwidth_gbps, lo, hi, target_us=GRAPH_TARGET_US):
+    """How many calls to time together: about ``target_us`` of work at the copy
+    bandwidth (plus ~2 us per call of launch latency), within [lo, hi]."""
+    est_us = nbytes / (bandwidth_gbps * 1e3) + 2.0
+    return int(max(lo, min(hi, round(target_us / est_us))))
+
+
+def device_info():
+    """Name, SM count, L2 size, compute capability and CUDA versions of the current device."""
+    import cupy
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+
+    def version(v):
+        return f"{v // 1000}.{v % 1000 // 10}"
+    return {"device_id": dev.id, "gpu": name, "sm_count": props["multiProcessorCount"],
+            "l2_bytes": props.get("l2CacheSize"), "memory_bytes": props.get("totalGlobalMem"),
+            "compute_capability": f"{props['major']}.{props['minor']}",
+            "cuda_driver_api": version(cupy.cuda.runtime.driverGetVersion()),
+            "cuda_runtime": version(cupy.cuda.runtime.runtimeGetVersion())}
+
+
+# -- runners ---------------------------------------------------------------------------
+class CupyRunner:
+    """Runs CuPy callables on its own non-blocking stream (graph capture needs one)."""
+
+    kind = "cupy"
+
+    def __init__(self):
+        import cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.event_stream = self.stream
+
+    def context(self):
+        return self.stream            # `with stream:` makes it CuPy's current stream
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    def capture(self, fn, calls):
+        """``calls`` calls of ``fn`` captured in one graph; returns a replay function.
+
+        The callable must have run on this stream before (compiled kernels, warm pool).
+        Arrays it allocates and frees during capture go back to the pool's list for
+        this stream; nothing else allocates on this stream while the graph lives, so
+        the replays scribble only on memory nobody holds.
+        """
+        stream = self.stream
+        with stream:
+            stream.begin_capture()
+            try:
+                for _ in range(calls):
+                    fn()
+            except BaseException:
+                try:
+                    stream.end_capture()
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
+                raise
+            graph = stream.end_capture()
+        graph.upload(stream)
+        return lambda: graph.launch(stream)
+
+
+class _StreamHandle:
+    """A torch stream in the CUDA stream protocol (kept alive by the CuPy stream)."""
+
+    def __init__(self, torch_stream):
+        self.torch_stream = torch_stream
+
+    def __cuda_stream__(self):
+        return (0, self.torch_stream.cuda_stream)
+
+
+class TorchRunner:
+    """Runs torch callables on a torch side stream; graphs through torch.cuda.CUDAGraph."""
+
+    kind = "torch"
+
+    def __init__(self):
+        import cupy
+        import torch
+        self.torch = torch
+        self.stream = torch.cuda.Stream()
+        # the same CUDA stream seen by CuPy, for the events and the cold-mode flush
+        self.event_stream = cupy.cuda.Stream.from_external(_StreamHandle(self.stream))
+
+    def context(self):
+        return self.torch.cuda.stream(self.stream)
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    def capture(self, fn, calls):
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            for _ in range(calls):
+                fn()
+        stream = self.stream
+
+        def replay():
+            with torch.cuda.stream(stream):   # replay() launches on the current stream
+                graph.replay()
+        return replay
+
+
+def warm_up(runner, fn, calls=WARMUP_CALLS):
+    """Run ``fn`` a few times on the runner's stream (compiles, fills pools); returns
+    the last result."""
+    result = None
+    with runner.context():
+        for _ in range(calls):
+            result = fn()
+    runner.synchronize()
+    return result
+
+
+# -- the three modes ---------------------------------------------------------------------
+class _Timer:
+    """One timing round at a time: ``round()`` runs, synchronizes and returns
+    microseconds per call (also kept in ``samples``)."""
+
+    mode = None
+
+    def __init__(self, runner, calls):
+        import cupy
+        self.runner, self.calls = runner, calls
+        self._start, self._end = cupy.cuda.Event(), cupy.cuda.Event()
+        self._elapsed_ms = cupy.cuda.get_elapsed_time
+        self.samples = []
+
+    def _finish(self):
+        self._end.synchronize()
+        us = self._elapsed_ms(self._start, self._end) * 1e3 / self.calls
+        self.samples.append(us)
+        return us
+
+    def close(self):
+        pass
+
+
+class GraphTimer(_Timer):
+    """GPU time: ``calls`` calls captured in one CUDA graph, events around a replay."""
+
+    mode = "graph"
+
+    def __init__(self, runner, fn, calls):
+        super().__init__(runner, calls)
+        self._replay = runner.capture(fn, calls)
+        with runner.context():
+            self._replay()              # the first launch of a graph pays one-time setup
+        runner.synchronize()
+
+    def round(self):
+        es = self.runner.event_stream
+        with self.runner.context():
+            self._start.record(es)
+            self._replay()
+            self._end.record(es)
+        return self._finish()
+
+    def close(self):
+        self.runner.synchronize()
+        self._replay = None             # drops the graph (and torch's private pool)
+
+
+class ColdTimer(_Timer):
+    """One call with L2 flushed: a large buffer written first, events around the call."""
+
+    mode = "cold"
+
+    def __init__(self, runner, fn, scratch):
+        super().__init__(runner, 1)
+        self.fn, self.scratch = fn, scratch
+
+    def round(self):
+        es = self.runner.event_stream
+        with self.runner.context():
+            self.scratch.write(es)
+            self._start.record(es)
+            self.fn()
+            self._end.record(es)
+        return self._finish()
+
+
+class HotTimer(_Timer):
+    """Back-to-back calls from Python, events around all of them: small shapes show
+    the host cost of a call, large ones the GPU time."""
+
+    mode = "hot"
+
+    def __init__(self, runner, fn, calls):
+        super().__init__(runner, calls)
+        self.fn = fn
+
+    def round(self):
+        es, fn = self.runner.event_stream, self.fn
+        with self.runner.context():
+            self._start.record(es)
+            for _ in range(self.calls):
+                fn()
+            self._end.record(es)
+        return self._finish()
+
+
+class Scratch:
+    """The cold-mode flush: a buffer several times the L2 size, rewritten on demand."""
+
+    def __init__(self, nbytes=SCRATCH_BYTES):
+        import cupy
+        self.buf = cupy.empty(nbytes // 4, dtype=cupy.uint32)
+        self._value = 0
+
+    def write(self, stream):
+        self._value = (self._value + 1) & 0xFFFF    # a changing value: never a no-op
+        with stream:
+            self.buf.fill(self._value)
+
+
+def make_timer(mode, runner, fn, calls, scratch):
+    if mode == "graph":
+        return GraphTimer(runner, fn, calls)
+    if mode == "cold":
+        return ColdTimer(runner, fn, scratch)
+    if mode == "hot":
+        return HotTimer(runner, fn, calls)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def measure(timer, repeats):
+    """Median microseconds per call over ``repeats`` rounds (after one unrecorded round)."""
+    timer.round()
+    timer.samples.clear()
+    for _ in range(repeats):
+        timer.round()
+    return median(timer.samples)
+
+
+# -- the ceiling ---------------------------------------------------------------------------
+def copy_bandwidth_gbps(nbytes=COPY_BYTES, repeats=10):
+    """The device's copy bandwidth: the faster of a device-to-device cudaMemcpyAsync and a
+    copy kernel with 16-byte elements, over ``nbytes``, counted as read + written bytes.
+
+    Returns (GB/s from the median copy of the faster way, list of its per-copy GB/s)."""
+    import cupy
+    rt = cupy.cuda.runtime
+    src = cupy.empty(nbytes, dtype=cupy.uint8)
+    dst = cupy.empty(nbytes, dtype=cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        src.fill(1)
+    src16, dst16 = src.view(cupy.complex128), dst.view(cupy.complex128)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    args = (dst.data.ptr, src.data.ptr, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
+    ways = {"memcpy": lambda: rt.memcpyAsync(*args), "kernel": lambda: cupy.copyto(dst16, src16)}
+    best = None
+    for copy in ways.values():
+        with stream:
+            for _ in range(2):
+                copy()
+            rates = []
+            for _ in range(repeats):
+                start.record(stream)
+                copy()
+                end.record(stream)
+                end.synchronize()
+                rates.append(2 * nbytes / (cupy.cuda.get_elapsed_time(start, end) * 1e-3) / 1e9)
+        if best is None or median(rates) > median(best):
+            best = rates
+    del src, dst, src16, dst16
+    cupy.get_default_memory_pool().free_all_blocks()   # 2 GiB back for the sweep
+    return median(best), best
+
+
+# -- first call in a fresh process ------------------------------------------------------------
+FIRST_CALL_MARK = "FIRST_CALL_SECONDS"
+
+# Inputs are uploaded from the host (no CuPy kernel compiles before the clock starts);
+# the clock covers the first call (kernel source, NVRTC compile or disk-cache load,
+# module load, launch) up to a device synchronize, then the same for a second call.
+FIRST_CALL_SCRIPT = r"""
+import sys, time
+import numpy as np, ml_dtypes, cupy
+import cupy_rmsnorm as rn
+op, dtype, tokens, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+rng = np.random.default_rng(0)
+host = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(dt)
+x, r, w = cupy.asarray(host(tokens, hidden)), cupy.asarray(host(tokens, hidden)), cupy.asarray(host(hidden))
+call = (lambda: rn.rms_norm(x, w)) if op == "rms" else (lambda: rn.fused_add_rms_norm(x, r, w))
+times = []
+for _ in range(2):
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    call()
+    cupy.cuda.Device().synchronize()
+    times.append(time.perf_counter() - t0)
+print("FIRST_CALL_SECONDS", times[0], times[1])
+"""
+
+
+def first_call_env(cache_dir, package_root, base_env=None):
+    """The environment of the fresh process: its own CuPy kernel cache, this source tree
+    first on the path, CuPy's in-memory-only cache off."""
+    env = dict(os.environ if base_env is None else base_env)
+    env["CUPY_CACHE_DIR"] = cache_dir
+    env.pop("CUPY_CACHE_IN_MEMORY", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def parse_first_call_output(stdout):
+    """(first, second) seconds from the script's output, or None."""
+    for line in stdout.splitlines():
+        if line.startswith(FIRST_CALL_MARK):
+            parts = line.split()
+            return float(parts[1]), float(parts[2])
+    return None
+
+
+def _first_call_once(cache_dir, op, dtype, tokens, hidden, timeout):
+    import cupy_rmsnorm
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cupy_rmsnorm.__file__)))
+    proc = subprocess.run([sys.executable, "-c", FIRST_CALL_SCRIPT, op, dtype, str(tokens), str(hidden)],
+                          env=first_call_env(cache_dir, root), capture_output=True, text=True,
+                          timeout=timeout)
+    parsed = parse_first_call_output(proc.stdout)
+    if proc.returncode != 0 or parsed is None:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"first-call subprocess failed (exit {proc.returncode}): {tail}")
+    return parsed
+
+
+def first_call_latency(op, dtype="bfloat16", tokens=4096, hidden=4096, timeout=600):
+    """First-call time of ``op`` in a fresh process, with an empty kernel cache and then
+    with the cache that run left behind. Milliseconds."""
+    with tempfile.TemporaryDirectory(prefix="cupy_rmsnorm_kcache_") as cache:
+        cold = _first_call_once(cache, op, dtype, tokens, hidden, timeout)
+        warm = _first_call_once(cache, op, dtype, tokens, hidden, timeout)
+    return {"op": op, "dtype": dtype, "tokens": tokens, "hidden": hidden,
+            "empty_cache_ms": cold[0] * 1e3, "warm_cache_ms": warm[0] * 1e3,
+            "second_call_ms": warm[1] * 1e3}
+

@@ -1,0 +1,214 @@
+"""PyTorch modules on top of cupy_rmsnorm, and a drop-in patch for Hugging Face models.
+
+    import cupy_rmsnorm.torch as rnt
+    norm = rnt.RMSNorm(4096, eps=1e-6, casting_mode="llama", dtype=torch.bfloat16, device="cuda")
+    with torch.inference_mode():
+        y = norm(x)
+    n = rnt.patch_hf_rmsnorm(model)        # swap a transformers model's RMSNorm modules
+
+Importing this submodule imports torch; ``import cupy_rmsnorm`` alone never does.
+
+The modules are forward-only, like the library: they run on CUDA tensors under
+``torch.no_grad()`` / ``torch.inference_mode()`` (which ``model.generate`` uses). With
+grad mode on, a weight that requires grad is a RuntimeError rather than a silent
+detach; set ``weight.requires_grad_(False)`` to run them with grad mode on.
+"""
+
+import warnings
+
+import torch
+from torch import nn
+
+from ._api import fused_add_rms_norm, rms_norm
+from ._validate import check_scalars
+
+__all__ = ["RMSNorm", "FusedAddRMSNorm", "patch_hf_rmsnorm"]
+
+
+class _NormBase(nn.Module):
+    """The weight and settings the two modules share."""
+
+    def __init__(self, hidden_size, eps=1e-6, *, weight_offset=0.0, casting_mode="fp32",
+                 dtype=None, device=None):
+        super().__init__()
+        self.eps, self.weight_offset = check_scalars(eps, weight_offset, casting_mode, True)
+        self.casting_mode = casting_mode
+        self.hidden_size = int(hidden_size)
+        self.weight = nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # The effective scale is weight + weight_offset: start it at one (Gemma-style
+        # weights, offset 1.0, start at zero).
+        with torch.no_grad():
+            self.weight.fill_(1.0 - self.weight_offset)
+
+    @property
+    def variance_epsilon(self):
+        """``eps`` under the name Hugging Face's LlamaRMSNorm uses, for code that reads it."""
+        return self.eps
+
+    def extra_repr(self):
+        s = f"{self.hidden_size}, eps={self.eps}, casting_mode={self.casting_mode!r}"
+        return s + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+
+
+class RMSNorm(_NormBase):
+    """``y = x / sqrt(mean(x**2, -1) + eps) * (weight + weight_offset)`` over the last axis.
+
+    Args:
+        hidden_size: size of the last axis.
+        eps: added to the mean of squares.
+        weight_offset: added to the weight in float32 (1.0 for Gemma-style weights).
+        casting_mode: ``"fp32"`` (one rounding, as torch.nn.functional.rms_norm) or
+            ``"llama"`` (rounds to x's dtype before the weight multiply, as HF LlamaRMSNorm).
+        dtype, device: of the weight. The weight may be x's dtype or float32.
+
+    ``forward(x)`` returns a new tensor of x's shape, dtype and device.
+    """
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps, weight_offset=self.weight_offset,
+                        casting_mode=self.casting_mode)
+
+
+class FusedAddRMSNorm(_NormBase):
+    """Residual add then RMSNorm in one kernel: ``s = x + residual; (rms_norm(s), s)``.
+
+    Same arguments as ``RMSNorm``. ``forward(x, residual)`` returns ``(out, residual_out)``;
+    ``forward(x, residual, out=x, residual_out=residual)`` works in place (vLLM-style,
+    nothing allocated).
+    """
+
+    def forward(self, x, residual, out=None, residual_out=None):
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, out=out, residual_out=residual_out,
+                                  weight_offset=self.weight_offset, casting_mode=self.casting_mode)
+
+
+# -- Hugging Face patch --------------------------------------------------------------------
+
+# The numerics a replaced module can get, in order of preference when several match
+# equally (with all-one weights "llama" and "fp32" give the same bits):
+#   ("llama", 0.0): weight * round(x * inv_rms)        LlamaRMSNorm, Qwen2/3, Mistral, ...
+#   ("fp32", 0.0):  round(weight * x * inv_rms)        e.g. OLMo-2-style norms
+#   ("fp32", 1.0):  round((1 + weight) * x * inv_rms)  Gemma 1-3, Qwen3-Next/3.5-style norms
+_CANDIDATES = (("llama", 0.0), ("fp32", 0.0), ("fp32", 1.0))
+_PROBE_ROWS = 8
+# Agreement needed with the original module on the probe: about two units in the last
+# place; a wrong weight offset is off by the weight itself, far more.
+_PROBE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _eps_of(module):
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if value is None:
+            continue
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def _candidates(model):
+    """(name, module, weight, eps) of every HF-style RMSNorm not yet replaced."""
+    found = []
+    for name, module in model.named_modules():
+        if not name or isinstance(module, _NormBase) or not type(module).__name__.endswith("RMSNorm"):
+            continue
+        weight = module._parameters.get("weight")
+        eps = _eps_of(module)
+        if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
+            found.append((name, module, weight, eps))
+    return found
+
+
+@torch.no_grad()
+def _matching_numerics(module, weight, eps):
+    """Which (casting_mode, weight_offset) reproduces ``module`` on a probe input, or None.
+
+    Runs the original forward and each candidate on the same random rows (a private
+    generator: the caller's random state is left alone); among the candidates within
+    tolerance, the one with the most bit-identical elements wins.
+    """
+    tol = _PROBE_TOLERANCE.get(weight.dtype)
+    if tol is None:
+        return None
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(_PROBE_ROWS, weight.shape[0], generator=gen, device=weight.device,
+                    dtype=torch.float32).to(weight.dtype)
+    try:
+        expected = module.forward(x)   # forward itself: hooks on the module stay quiet
+    except Exception:  # noqa: BLE001 - a forward that needs more than x is not ours to replace
+        return None
+    if not isinstance(expected, torch.Tensor) or expected.shape != x.shape:
+        return None
+    expected = expected.float()
+    best = None
+    for mode, offset in _CANDIDATES:
+        got = rms_norm(x, weight, eps, weight_offset=offset, casting_mode=mode).float()
+        if not torch.allclose(got, expected, rtol=tol, atol=tol):
+            continue
+        exact = int((got == expected).sum())
+        if best is None or exact > best[0]:
+            best = (exact, mode, offset)
+    return None if best is None else best[1:]
+
+
+def _require_cuda(found):
+    for name, _, weight, _ in found:
+        if weight.device.type != "cuda":
+            raise ValueError(f"patch_hf_rmsnorm: {name} is on {weight.device}; cupy_rmsnorm runs on "
+                             f"CUDA tensors only, so move the model first (model.cuda())")
+
+
+def patch_hf_rmsnorm(model):
+    """Swap the RMSNorm modules of a transformers model for this library's ``RMSNorm``.
+
+    A module is a candidate when its class name ends in ``RMSNorm`` (LlamaRMSNorm,
+    Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm, GemmaRMSNorm, ...) and it has a 1-D
+    ``weight`` parameter and a ``variance_epsilon`` or ``eps`` number. Each candidate
+    is run once on a small random input and replaced only by the numerics that
+    reproduce it: ``casting_mode="llama"`` for Llama-style forwards (they round to the
+    input dtype before the weight multiply), ``"fp32"`` for a single final rounding, and
+    ``weight_offset=1.0`` with ``"fp32"`` for Gemma-style ``(1 + weight)`` forwards. A
+    candidate that matches none (another formula, a forward that needs more arguments)
+    is left as it is, with a warning.
+
+    The new module shares the old one's weight Parameter (same object, same
+    state_dict key), so loading, saving and tied weights are unaffected. Every
+    candidate must be on a CUDA device (move the model first); nothing is replaced
+    otherwise. Forward hooks on the old modules are not carried over.
+
+    Differences from the original modules: the output has the input's dtype even when
+    the weight's dtype differs (HF returns the promoted dtype there); the modules are
+    forward-only (see this module's docstring); torch.compile treats them as opaque.
+
+    Returns:
+        The number of modules replaced (0 when the model is already patched).
+    """
+    found = _candidates(model)
+    _require_cuda(found)
+    replacements = {}
+    for name, module, weight, eps in found:
+        if id(module) in replacements:
+            continue
+        numerics = _matching_numerics(module, weight, eps)
+        if numerics is None:
+            warnings.warn(f"patch_hf_rmsnorm: left {name} ({type(module).__name__}) as it is: its "
+                          f"forward matches none of cupy_rmsnorm's formulas", stacklevel=2)
+            continue
+        casting_mode, offset = numerics
+        new = RMSNorm(weight.shape[0], eps, weight_offset=offset, casting_mode=casting_mode,
+                      dtype=weight.dtype, device="meta")
+        new.weight = weight        # the very same Parameter: no copy, same state_dict entry
+        new.train(module.training)
+        replacements[id(module)] = new
+    # Every path to a replaced module, a module shared by two parents included.
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        new = replacements.get(id(module))
+        if new is not None and name:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return len(replacements)

@@ -1,0 +1,490 @@
+"""CPU-side tests of the benchmark report (cupy_rmsnorm.bench): argument parsing, byte
+counts, tables, CSV / JSON / Markdown / chart writing, the progress bar, the no-GPU exit,
+and a whole run with the GPU parts replaced by fakes."""
+
+import csv
+import importlib.util
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cupy_rmsnorm.bench import cli, peers, progress, report, shapes, timing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN = {"variant": "block", "vec": 8, "threads_per_row": 256, "vecs_per_thread": 2,
+        "rows_per_block": 1, "block": 256, "grid": 4096}
+
+
+def rec(impl, us, mode="graph", op="rms", dtype="bfloat16", tokens=4096, hidden=4096, plan=PLAN):
+    nbytes = shapes.logical_bytes(op, tokens, hidden, shapes.ITEMSIZE[dtype])
+    return report.make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, 4000.0, 100, 10,
+                              0.01, plan if impl == "ours" else plan)
+
+
+# -- arguments ----------------------------------------------------------------------------------
+def test_default_arguments_are_the_issue_grid():
+    args = cli.parse_args([])
+    assert args.ops == ["rms", "fused"]
+    assert args.dtypes == ["bfloat16", "float16"]
+    assert args.modes == ["graph", "cold", "hot"]
+    assert args.peers == list(peers.SELECTABLE)
+    expected = ({(t, h) for t in (1, 32, 256, 1024, 4096, 16384) for h in (4096, 8192)}
+                | {(4096, h) for h in (512, 1024, 2048, 255, 4095)} | {(256, 5120), (256, 7168)})
+    assert len(args.shapes) == len(expected) == 19
+    assert set(args.shapes) == expected
+    assert args.repeats == cli.DEFAULT_REPEATS
+    assert not args.quick and not args.no_first_call and args.replot is None
+    assert args.compile == "tokens"
+
+
+def test_flags_choose_ops_dtypes_shapes_modes_peers():
+    args = cli.parse_args(["--ops", "fused", "--dtypes", "bf16,FP32,bfloat16", "--shapes", "1,32x8192",
+                           "4096x255", "32x8192", "--modes", "hot,graph", "--peers", "liger,cupy",
+                           "--repeats", "7", "--out", "somewhere", "--name", "run1", "--compile", "static"])
+    assert args.ops == ["fused"]
+    assert args.dtypes == ["bfloat16", "float32"]          # aliases, duplicates dropped
+    assert args.shapes == [(1, 8192), (32, 8192), (4096, 255)]
+    assert args.modes == ["hot", "graph"]
+    assert args.peers == ["liger", "cupy"]
+    assert args.repeats == {"graph": 7, "cold": 7, "hot": 7}
+    assert (args.out, args.name, args.compile) == ("somewhere", "run1", "static")
+
+
+def test_peers_all_and_none():
+    assert cli.parse_args(["--peers", "none"]).peers == []
+    assert cli.parse_args(["--peers", "all"]).peers == list(peers.SELECTABLE)
+
+
+def test_quick_is_short_but_explicit_flags_win():
+    quick = cli.parse_args(["--quick"])
+    assert quick.shapes == list(shapes.QUICK_SHAPES) and quick.dtypes == ["bfloat16"]
+    assert quick.repeats == cli.QUICK_REPEATS
+    assert all(quick.repeats[m] < cli.DEFAULT_REPEATS[m] for m in shapes.MODES)
+    assert len(quick.shapes) < len(shapes.DEFAULT_SHAPES)
+    mixed = cli.parse_args(["--quick", "--shapes", "2x64", "--dtypes", "fp16"])
+    assert mixed.shapes == [(2, 64)] and mixed.dtypes == ["float16"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dtypes", "int8"], "unknown dtype"),
+    (["--shapes", "4096"], "TOKENSxHIDDEN"),
+    (["--shapes", "0x4096"], "positive"),
+    (["--shapes", "4x4x4"], "TOKENSxHIDDEN"),
+    (["--modes", "warm"], "unknown mode"),
+    (["--ops", "layernorm"], "unknown op"),
+    (["--peers", "flashinfer"], "unknown peer"),
+    (["--repeats", "0"], "positive integer"),
+    (["--compile", "max-autotune"], "invalid choice"),
+])
+def test_bad_arguments_are_usage_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_shape_spec_is_a_product():
+    assert shapes.parse_shape_spec("1,32x4096,8192") == [(1, 4096), (32, 4096), (1, 8192), (32, 8192)]
+    assert shapes.parse_shape_spec(" 7X9 ") == [(7, 9)]
+    for bad in ("x4096", "4096x", "ax4", "1,,2x4", "-1x4"):
+        with pytest.raises(ValueError):
+            shapes.parse_shape_spec(bad)
+
+
+def test_logical_bytes():
+    assert shapes.logical_bytes("rms", 4096, 4096, 2) == 2 * 4096 * 4096 * 2 + 4096 * 2
+    assert shapes.logical_bytes("fused", 3, 255, 2) == 4 * 3 * 255 * 2 + 255 * 2
+    assert shapes.logical_bytes("rms", 1, 8, 2, weight_itemsize=4) == 2 * 8 * 2 + 8 * 4
+
+
+def test_plan_for_is_the_library_plan():
+    import cupy_rmsnorm as rn
+    assert shapes.plan_for(4096, 4095, 2, 132) == rn.launch_plan(4096, 4095, 2, 8, 132)
+    assert shapes.plan_for(1, 4096, 4, 132) == rn.launch_plan(1, 4096, 4, 4, 132)
+
+
+def test_calls_for_targets_the_time_within_limits():
+    assert timing.calls_for(16 << 10, 4000.0, 20, 200) == 200           # tiny: capped
+    big = timing.calls_for(1 << 30, 4000.0, 20, 200)
+    assert big == 20                                                    # huge: the floor
+    mid = timing.calls_for(64 << 20, 4000.0, 1, 10_000)                 # ~18.8 us a call
+    assert abs(mid * (64 * 2 ** 20 / 4e6 + 2.0) - timing.GRAPH_TARGET_US) < 20
+
+
+# -- records and text ----------------------------------------------------------------------------
+def test_make_record_derives_bandwidth():
+    r = report.make_record("fused", "float16", 2, 1000, "ours", "cold", 2.0, 16_000, 4000.0, 1, 30,
+                           None, PLAN)
+    assert r["GBps"] == pytest.approx(8.0)                              # 16 kB in 2 us
+    assert r["pct_copy"] == pytest.approx(0.2)
+    assert r["plan"] == PLAN and r["mode"] == "cold" and r["bytes"] == 16_000
+
+
+def test_make_record_flattens_a_dataclass_plan():
+    import cupy_rmsnorm as rn
+    plan = rn.launch_plan(4096, 4096, 2, 8, 132)
+    r = report.make_record("rms", "bfloat16", 4096, 4096, "ours", "graph", 10.0, 1, 1.0, 1, 1, 0.0, plan)
+    assert r["plan"]["variant"] == plan.variant and r["plan"]["grid"] == plan.grid
+
+
+def test_plan_text():
+    assert report.plan_text(PLAN) == "block g256 nv2 v8 b256 grid4096"
+    assert report.plan_text(dict(PLAN, cluster=4)).endswith("cluster=4")
+    assert report.plan_text(None) == "-"
+
+
+def test_number_formats():
+    assert report.fmt_us(1.234) == "1.23" and report.fmt_us(123.45) == "123.5"
+    assert report.fmt_us(12345.6) == "12346" and report.fmt_us(None) == "-"
+    assert report.fmt_gbps(4321.7) == "4322" and report.fmt_gbps(12.34) == "12.3"
+
+
+def test_format_tables_ratios_best_peer_and_geomean():
+    records = [rec("ours", 2.0), rec("liger", 4.0), rec("cupy", 40.0), rec("ours_torch", 2.5),
+               rec("ours", 10.0, tokens=1), rec("liger", 5.0, tokens=1),
+               rec("ours", 3.0, mode="hot"), rec("F.rms_norm", 6.0, mode="hot")]
+    text = report.format_tables(records)
+    graph, hot = text.split("\n\n")
+    assert "rms_norm, bfloat16, graph" in graph and "hot" in hot.splitlines()[0]
+    header = next(line for line in graph.splitlines() if line.startswith("shape"))
+    assert header.split()[:4] == ["shape", "ours", "us", "GB/s"]
+    assert header.index("ours_torch") < header.index("cupy") < header.index("liger")
+    row = next(line for line in graph.splitlines() if line.startswith("4096x4096"))
+    assert "0.50 liger" in row                        # best peer: liger, not ours_torch
+    assert " 0.80 " in row and " 0.05 " in row        # ours/ours_torch, ours/cupy
+    gbps = shapes.logical_bytes("rms", 4096, 4096, 2) / 2.0e3
+    assert f"{gbps:.0f}" in row
+    assert "block g256 nv2 v8" in row
+    one = next(line for line in graph.splitlines() if line.startswith("1x4096"))
+    assert "2.00 liger" in one and one.count(" - ") >= 2     # no cupy / ours_torch there
+    assert f"geomean ours / best peer: {math.sqrt(0.5 * 2.0):.3f}" in graph
+    assert "at 1 of 2 shapes" in graph
+    assert "0.50 F.rms_norm" in hot
+
+
+def test_format_tables_without_ours_shows_dashes():
+    text = report.format_tables([rec("liger", 4.0)])
+    row = next(line for line in text.splitlines() if line.startswith("4096x4096"))
+    assert row.split()[1:4] == ["-", "-", "-"]
+    assert "geomean" not in text
+
+
+def test_format_markdown_for_the_readme():
+    records = [rec("ours", 2.0), rec("liger", 4.0), rec("ours", 5.0, op="fused"),
+               rec("torch_compile", 4.0, op="fused"), rec("ours", 1.0, mode="cold")]
+    md = report.format_markdown(records)
+    lines = md.strip().splitlines()
+    assert lines[2].startswith("| tokens x hidden | rms_norm us | best peer us | ours / best | "
+                               "fused_add_rms_norm us")
+    assert lines[4] == "| 4096 x 4096 | 2.00 | 4.00 (liger) | 0.50 | 5.00 | 4.00 (torch_compile) | 1.25 |"
+    assert len(lines) == 5                             # the cold record is not in the graph table
+
+
+def test_header_and_first_call_text():
+    meta = {"gpu": "NVIDIA H200", "sm_count": 132, "compute_capability": "9.0", "copy_GBps": 4259.4,
+            "copy_bytes": 1 << 30, "driver_version": "580.1", "cuda_driver_api": "13.0",
+            "versions": {"cupy": "14.2.0"}, "git_commit": "abc", "git_dirty": True}
+    head = report.format_header(meta)
+    assert "NVIDIA H200 (132 SMs" in head and "4259 GB/s" in head and "1024 MiB" in head
+    assert "cupy 14.2.0" in head and "abc (uncommitted changes)" in head
+    fc = report.format_first_call([
+        {"op": "rms", "dtype": "bfloat16", "tokens": 4096, "hidden": 4096, "empty_cache_ms": 812.4,
+         "warm_cache_ms": 35.25, "second_call_ms": 0.05},
+        {"op": "fused", "dtype": "bfloat16", "tokens": 4096, "hidden": 4096, "error": "boom"}])
+    assert "empty kernel cache 812 ms, warm cache 35.2 ms" in fc
+    assert "fused_add_rms_norm 4096x4096 bfloat16: boom" in fc
+
+
+# -- files --------------------------------------------------------------------------------------
+def test_csv_has_every_field_and_the_flattened_plan(tmp_path):
+    records = [rec("ours", 2.0), rec("liger", 4.0, plan=None), rec("ours", 1.5, mode="hot")]
+    records[1]["plan"] = None
+    path = tmp_path / "r.csv"
+    report.write_csv(path, records)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3
+    assert list(rows[0])[: len(report.FIELDS)] == list(report.FIELDS)
+    assert rows[0]["plan_variant"] == "block" and rows[0]["plan_grid"] == "4096"
+    assert rows[1]["plan_variant"] == ""
+    assert float(rows[2]["us"]) == 1.5 and rows[2]["mode"] == "hot"
+    assert float(rows[0]["GBps"]) == pytest.approx(records[0]["GBps"])
+
+
+def test_json_round_trip_with_non_finite_values(tmp_path):
+    records = [rec("ours", 2.0)]
+    records[0]["max_abs_err"] = float("nan")
+    payload = {"meta": {"gpu": "G", "copy_GBps": 4000.0}, "first_call": [], "results": records,
+               "errors": []}
+    path = tmp_path / "r.json"
+    report.write_json(path, payload)
+    text = path.read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    back = report.load_json(path)
+    assert back["meta"]["gpu"] == "G" and back["results"][0]["plan"] == PLAN
+    assert back["results"][0]["max_abs_err"] == "nan"
+    assert back["results"][0]["us"] == 2.0
+
+
+def test_charts_are_png_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = [rec(impl, us * t / 64 + 1, tokens=t, hidden=h, dtype=dt, mode=mode)
+               for impl, us in (("ours", 1.0), ("liger", 1.3)) for t in (1, 64, 4096)
+               for h in (4096, 8192) for dt in ("bfloat16", "float16") for mode in ("graph", "cold", "hot")]
+    records.append(rec("ours", 3.0, tokens=4096, hidden=255))     # a single point: no panel
+    paths = report.write_charts(str(tmp_path), "s", records, 4000.0)
+    names = sorted(os.path.basename(p) for p in paths)
+    assert names == ["s_cold_bfloat16.png", "s_cold_float16.png", "s_graph_bfloat16.png",
+                     "s_graph_float16.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_charts_without_matplotlib_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)     # makes the import fail
+    assert report.write_charts(str(tmp_path), "s", [rec("ours", 1.0)], 4000.0) == []
+    assert os.listdir(tmp_path) == []
+
+
+# -- no GPU --------------------------------------------------------------------------------------
+def test_no_gpu_is_one_line_and_a_nonzero_exit(monkeypatch, capsys):
+    monkeypatch.setattr(timing, "gpu_missing", lambda: "CUDARuntimeError: no device\n(detail)")
+    assert cli.main(["--quick"]) == cli.EXIT_NO_GPU != 0
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.count("\n") == 1 and "no CUDA GPU available" in out.err
+    assert "no device (detail)" in out.err
+
+
+def test_no_gpu_from_the_command_line():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU available" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_gpu_missing_never_raises(monkeypatch):
+    import cupy
+
+    def broken():
+        raise RuntimeError("driver exploded")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", broken)
+    assert "driver exploded" in timing.gpu_missing()
+
+
+# -- progress bar --------------------------------------------------------------------------------
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_progress_bar_into_a_file_writes_tenths():
+    out, clock = io.StringIO(), Clock()
+    bar = progress.ProgressBar(20, stream=out, tty=False, clock=clock, width=10)
+    for i in range(20):
+        clock.t += 1.0
+        bar.update(f"item {i}")
+        bar.advance()
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10 and "\r" not in out.getvalue()
+    assert lines[0].startswith("[#---------]  2/20  10%") and "0:18 left" in lines[0]
+    assert lines[-1].startswith("[##########] 20/20 100%") and "0:20 elapsed" in lines[-1]
+    assert lines[-1].endswith("item 19")
+
+
+def test_progress_bar_on_a_terminal_redraws_one_line():
+    out = io.StringIO()
+    bar = progress.ProgressBar(4, stream=out, tty=True, clock=Clock(), width=4)
+    bar.update("a")
+    bar.advance(2, label="b")
+    bar.close()
+    text = out.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
+    assert "[##--] 2/4  50%" in text
+
+
+def test_progress_bar_messages_go_above_the_bar():
+    out = io.StringIO()
+    bar = progress.ProgressBar(4, stream=out, tty=True, clock=Clock(), width=4)
+    bar.advance()
+    bar.write("error: something")
+    bar.close()
+    text = out.getvalue()
+    before, after = text.split("error: something\n")
+    assert before.endswith("\r") and "[#---] 1/4" in before       # the bar line was cleared
+    assert after.startswith("\r[#---] 1/4") and after.endswith("\n")  # and redrawn below
+    plain = io.StringIO()
+    progress.ProgressBar(4, stream=plain, tty=False).write("note")
+    assert plain.getvalue() == "note\n"
+
+
+def test_format_duration():
+    assert progress.format_duration(59.6) == "1:00"
+    assert progress.format_duration(3725) == "1:02:05"
+
+
+# -- first-call helpers ----------------------------------------------------------------------------
+def test_first_call_environment_and_parsing():
+    env = timing.first_call_env("/tmp/k", "/src", {"PYTHONPATH": "/other", "CUPY_CACHE_IN_MEMORY": "1",
+                                                  "HOME": "/h"})
+    assert env["CUPY_CACHE_DIR"] == "/tmp/k" and "CUPY_CACHE_IN_MEMORY" not in env
+    assert env["PYTHONPATH"] == os.pathsep.join(["/src", "/other"]) and env["HOME"] == "/h"
+    assert timing.parse_first_call_output("noise\nFIRST_CALL_SECONDS 1.5 0.002\n") == (1.5, 0.002)
+    assert timing.parse_first_call_output("Traceback ...") is None
+
+
+def test_first_call_script_compiles():
+    compile(timing.FIRST_CALL_SCRIPT, "<first-call>", "exec")
+
+
+# -- a whole run, GPU parts faked ------------------------------------------------------------------
+class FakeTimer:
+    def __init__(self, us):
+        self.us, self.samples = us, []
+
+    def round(self):
+        self.samples.append(self.us)
+        return self.us
+
+    def close(self):
+        pass
+
+
+class FakeCase:
+    graph_writes = True     # False: the replayed graph leaves our NaN-poisoned output alone
+
+    def __init__(self, op, dtype, tokens, hidden):
+        self.op, self.dtype, self.tokens, self.hidden = op, dtype, tokens, hidden
+        self.out = "our output"
+        self.poisoned = False
+
+    def poison_outputs(self):
+        self.poisoned = True
+
+    def max_abs_err(self, result):
+        if result is self.out and self.poisoned and not self.graph_writes:
+            return float("nan")
+        return 0.0078125
+
+    def release(self):
+        pass
+
+
+SPEED = {"ours": 1.0, "cupy": 8.0}
+
+
+def fake_build(name, case, compile_mode="tokens"):
+    assert compile_mode in peers.COMPILE_MODES
+    if name == "cupy" and case.hidden == 255:
+        raise RuntimeError("composite failed")
+    if name == "cupy" and case.op == "fused" and case.tokens == 1:
+        raise peers.Unsupported("not offered")
+
+    def fn():
+        return "output"
+    fn.us = SPEED[name] * (1 + case.tokens * case.hidden / 1e6)
+    return fn
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(timing, "gpu_missing", lambda: None)
+    monkeypatch.setattr(timing, "device_info", lambda: {"device_id": 0, "gpu": "Fake GPU", "sm_count": 132,
+                                                        "compute_capability": "9.0"})
+    monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda: (4000.0, [3990.0, 4000.0]))
+    monkeypatch.setattr(timing, "CupyRunner", lambda: "cupy-runner")
+    monkeypatch.setattr(timing, "Scratch", lambda: "scratch")
+    monkeypatch.setattr(timing, "warm_up", lambda runner, fn: fn())
+    monkeypatch.setattr(timing, "make_timer", lambda mode, runner, fn, calls, scratch: FakeTimer(fn.us))
+    monkeypatch.setattr(timing, "first_call_latency", lambda op, dtype, tokens, hidden: {
+        "op": op, "dtype": dtype, "tokens": tokens, "hidden": hidden, "empty_cache_ms": 900.0,
+        "warm_cache_ms": 40.0, "second_call_ms": 0.02})
+    monkeypatch.setattr(peers, "Case", FakeCase)
+    monkeypatch.setattr(peers, "availability", lambda names: (
+        [n for n in ("ours", "cupy") if n in names], {"liger": "liger-kernel is not installed"}))
+    monkeypatch.setattr(peers, "build", fake_build)
+    monkeypatch.setattr(peers, "versions", lambda: {"cupy": "14.2.0"})
+
+
+def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    rc = cli.main(["--quick", "--peers", "cupy", "--out", str(out_dir), "--shapes", "1,4096x4096", "4096x255"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "Fake GPU" in captured.out and "4000 GB/s" in captured.out
+    assert "empty kernel cache 900 ms" in captured.out
+    assert "rms_norm, bfloat16, graph" in captured.out and "fused_add_rms_norm, bfloat16, hot" in captured.out
+    assert "0.12 cupy" in captured.out                 # ours / cupy = 1 / 8
+    assert "composite failed" in captured.out          # reported in the errors section
+    assert "not offered" not in captured.out           # an unsupported op is no error
+    assert "liger left out: liger-kernel is not installed" in captured.err
+    assert "[" in captured.err and "100%" in captured.err      # the progress bar
+
+    payload = json.loads((out_dir / "rmsnorm_bench.json").read_text())
+    meta = payload["meta"]
+    assert meta["gpu"] == "Fake GPU" and meta["copy_GBps"] == 4000.0
+    assert meta["left_out"] == {"liger": "liger-kernel is not installed"}
+    assert meta["compile_mode"] == "tokens" and meta["repeats"] == cli.QUICK_REPEATS
+    assert set(meta["implementations"]) == {"ours", "cupy"}
+    assert "git_commit" in meta and "versions" in meta and meta["shapes"] == [[1, 4096], [4096, 4096], [4096, 255]]
+    results = payload["results"]
+    # 2 ops x 3 shapes x 3 modes of ours; cupy misses 4096x255 (error) and fused 1x4096 (unsupported)
+    assert sum(r["impl"] == "ours" for r in results) == 18
+    assert sum(r["impl"] == "cupy" for r in results) == 18 - 6 - 3
+    import dataclasses
+
+    import cupy_rmsnorm as rn
+    for r in results:    # every row carries our plan for its shape (132 SMs, 16-byte vectors)
+        assert r["plan"] == dataclasses.asdict(rn.launch_plan(r["tokens"], r["hidden"], 2, 8, 132))
+    assert {e["where"] for e in payload["errors"] if not e.get("skipped")} == \
+        {"rms bfloat16 4096x255 cupy", "fused bfloat16 4096x255 cupy"}
+    ours = next(r for r in results if r["impl"] == "ours" and r["tokens"] == 4096 and r["hidden"] == 4096
+                and r["op"] == "rms" and r["mode"] == "graph")
+    assert ours["us"] == pytest.approx(1 + 4096 * 4096 / 1e6)
+    assert ours["pct_copy"] == pytest.approx(100 * ours["GBps"] / 4000.0)
+
+    with open(out_dir / "rmsnorm_bench.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(results)
+    md = (out_dir / "rmsnorm_bench.md").read_text()
+    assert "| 4096 x 4096 |" in md and "(cupy)" in md
+    if importlib.util.find_spec("matplotlib"):
+        assert (out_dir / "rmsnorm_bench_graph_bfloat16.png").is_file()
+
+
+def test_replot_redraws_a_saved_run(fake_gpu, tmp_path, capsys):
+    cli.main(["--quick", "--no-first-call", "--no-chart", "--out", str(tmp_path), "--shapes", "1,64x4096"])
+    first = capsys.readouterr().out
+    saved = tmp_path / "rmsnorm_bench.json"
+    assert not list(tmp_path.glob("*.png"))
+    assert cli.main(["--replot", str(saved), "--out", str(tmp_path / "re")]) == 0
+    again = capsys.readouterr().out
+    assert report.format_tables(report.load_json(saved)["results"]) in again
+    assert first.split("\n\n", 1)[1] in again          # the same tables as the run printed
+    assert cli.main(["--replot", str(tmp_path / "missing.json")]) == 2
+
+
+def test_a_graph_that_does_not_write_our_output_is_an_error(fake_gpu, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(FakeCase, "graph_writes", False)
+    assert cli.main(["--no-first-call", "--no-chart", "--ops", "rms", "--dtypes", "bf16", "--shapes",
+                     "8x64", "--peers", "none", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "rmsnorm_bench.json").read_text())
+    assert [e["where"] for e in payload["errors"]] == ["rms bfloat16 8x64 ours graph"]
+    graph = next(r for r in payload["results"] if r["mode"] == "graph")
+    assert graph["max_abs_err"] == "nan"
+    assert "replay check" in capsys.readouterr().out
