@@ -117,8 +117,8 @@ def _check_torch(named):
                              f"(tensor.cuda()) or NumPy arrays (tensor.numpy()) for the CPU path")
         if t.requires_grad and torch.is_grad_enabled():
             raise RuntimeError(f"{name} requires grad, and cupy_rmsnorm is forward-only (no backward "
-                               f"yet): call it under torch.no_grad() / torch.inference_mode(), "
-                               f"or pass {name}.detach() if no gradient should flow")
+                               f"yet): call it under torch.no_grad() / torch.inference_mode(), pass "
+                               f"{name}.detach(), or for a model's weights call model.requires_grad_(False)")
 
 
 class _Job:

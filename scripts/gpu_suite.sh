@@ -5,6 +5,6 @@ set -uo pipefail
 out=${1:-gpu_suite_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m pytest -q -n 8 -rs tests 2>&1 | tee "$out/tests.log" | tail -25
-bash scripts/sanitize.sh 2>&1 | tee "$out/sanitize.log" | tail -8
-python3 benchmarks/host_overhead.py --out "$out/host_overhead.json" 2>&1 | tee "$out/host_overhead.log" | tail -20
+timeout ${TESTS_S:-330} python3 -m pytest -q -n 8 -rs --durations=15 tests 2>&1 | tee "$out/tests.log" | grep -v "^SKIPPED.*CPU\|PASSED" | tail -60
+SANITIZE_LOG_DIR="$out/sanitize" timeout ${SANITIZE_S:-200} bash scripts/sanitize.sh 2>&1 | tee "$out/sanitize.log" | tail -12
+timeout 60 python3 benchmarks/host_overhead.py --out "$out/host_overhead.json" 2>&1 | tee "$out/host_overhead.log" | tail -20

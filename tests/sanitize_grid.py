@@ -1,0 +1,180 @@
+"""A small, representative grid of calls for compute-sanitizer (scripts/sanitize.sh).
+
+    PYTHONPATH=$PWD python3 tests/sanitize_grid.py [--quick]
+
+Covers every launch shape of cupy_rmsnorm.launch_plan (a warp group per row, a block per
+row with the row in registers, a streamed block per row), every dtype, both ops, both
+casting modes, weights of x's dtype / float32 / none (with weight_offset 0 and 1), rows
+starting at odd element offsets (in place, and out of place into a contiguous output:
+vector width 1), strided rows, a two-level (tokens, heads, head_dim) view, and the
+kernel's grid-stride row loop (plans made as for a GPU of one SM, whose grid holds 32
+blocks). Row counts stay small so racecheck finishes; --quick keeps fewer layouts.
+
+Every array is its own cudaMalloc (CuPy's memory pool is switched off) and every view
+ends where its allocation ends (and the unshifted ones start where it starts), so
+memcheck sees an access one element past a row or before it; outputs the library
+allocates are never initialized, so initcheck sees a read of an element not yet written.
+Results are checked against the NumPy reference on the host (no CuPy kernels besides the
+library's own and copies, which keeps the sanitizers' reports about our kernel).
+
+Exit status: 0 all results right; 3 a result was wrong; 4 the grid missed a launch shape.
+(The sanitizer's --error-exitcode reports what the sanitizer itself finds.)
+"""
+
+import argparse
+import itertools
+import sys
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+import cupy_rmsnorm as rn
+from cupy_rmsnorm import _api, _launcher, _plan
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
+OPS = ("rms_norm", "fused_add_rms_norm")
+MODES = ("fp32", "llama")
+WEIGHTS = ((None, 0.0), ("same", 0.0), ("float32", 1.0), ("same", 1.0), ("float32", 0.0))
+HIDDEN = (1, 7, 1000, 4095, 33001)   # warp groups; block per row (both widths); streamed
+LAYOUTS = ("contiguous", "inplace", "offset_inplace", "offset_out", "strided", "heads")
+QUICK_LAYOUTS = ("contiguous", "offset_inplace", "heads")
+LOOP_HIDDEN = (7, 1000, 33001)
+ROWS = 5
+# two ulps of the dtype: the kernel and the NumPy reference both compute in float32,
+# summing in different orders, and llama mode rounds twice
+RTOL = {"float32": 1e-5, "float16": 2 * 2.0 ** -10, "bfloat16": 2 * 2.0 ** -7}
+ATOL = {"float32": 1e-6, "float16": 2.0 ** -22, "bfloat16": 1e-6}
+
+seen = set()          # (launch shape, vector width) of every kernel launch planned
+one_sm = False        # the loop pass plans as for a GPU of one SM
+
+
+def _recording_plan(rows, hidden, itemsize, vec, sm_count, *args, **kwargs):
+    plan = _plan.launch_plan(rows, hidden, itemsize, vec, 1 if one_sm else sm_count, *args, **kwargs)
+    shape = "stream" if plan.vecs_per_thread == 0 else \
+        "warp" if plan.threads_per_row <= _plan.WARP else "block"
+    seen.add((shape, plan.vec))
+    return plan
+
+
+_launcher.launch_plan = _recording_plan      # the launcher looks it up at each new plan
+
+
+def to_device(a):
+    """A host array on the GPU, bit for bit (bfloat16 through its bits)."""
+    if a.dtype == BF16:
+        return cp.asarray(a.view(np.uint16)).view(BF16)
+    return cp.asarray(a)
+
+
+def to_host(a):
+    if a.dtype == BF16:
+        return cp.asnumpy(a.view(cp.uint16)).view(BF16)
+    return cp.asnumpy(a)
+
+
+def make_input(rng, layout, rows, hidden, dtype):
+    """Random data in ``layout``, in an allocation of its own that the view ends at."""
+    def data(*shape):
+        return (rng.standard_normal(shape) * 3 + 0.25).astype(dtype)
+
+    if layout in ("contiguous", "inplace"):
+        return to_device(data(rows, hidden))
+    if layout in ("offset_inplace", "offset_out"):     # a flat buffer sliced at offset 1
+        return to_device(data(rows * hidden + 1))[1:].reshape(rows, hidden)
+    if layout == "strided":                             # rows start 3 elements into a wider buffer
+        return to_device(data(rows, hidden + 3))[:, 3:]
+    if layout == "heads":                               # heads 2 and 3 of (tokens, 4 heads, head_dim)
+        return to_device(data(rows, 4, hidden))[:, 2:]
+    raise AssertionError(layout)
+
+
+def check(name, got, want, dtype_name, exact=False):
+    """Compare a GPU result with the host reference: bit for bit, or within tolerance."""
+    got, want = to_host(got), np.ascontiguousarray(want)
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    if exact:
+        uint = f"u{got.itemsize}"
+        ok = got.shape == want.shape and np.array_equal(got.view(uint), want.view(uint))
+    else:
+        ok = bool(np.all(np.abs(g - w) <= ATOL[dtype_name] + RTOL[dtype_name] * np.abs(w)))
+    if not ok:
+        print(f"WRONG {name}: max abs error {np.max(np.abs(g - w)):.3g}", flush=True)
+    return ok
+
+
+def run(rng, op, dtype_name, hidden, layout, rows, mode, wkind, woff):
+    """One call; True if its results are right."""
+    dtype = DTYPES[dtype_name]
+    fused = op == "fused_add_rms_norm"
+    x = make_input(rng, layout, rows, hidden, dtype)
+    res = make_input(rng, layout, rows, hidden, dtype) if fused else None
+    w = None
+    if wkind is not None:
+        w_host = (rng.standard_normal(hidden) * 0.5 + (0.0 if woff else 1.0))
+        w = to_device(w_host.astype(dtype if wkind == "same" else np.float32))
+    x_host = to_host(x)
+    res_host = to_host(res) if fused else None
+    w_host = to_host(w) if w is not None else None
+    in_place = layout in ("inplace", "offset_inplace")
+    kwargs = {"weight_offset": woff, "casting_mode": mode}
+    if in_place:
+        kwargs["out"] = x
+    name = f"{op} {dtype_name} hidden={hidden} {layout} rows={rows} {mode} weight={wkind}+{woff}"
+    if fused:
+        if in_place:
+            kwargs["residual_out"] = res
+        y, s = rn.fused_add_rms_norm(x, res, w, 1e-6, **kwargs)
+        want_y, want_s = rn.fused_add_rms_norm_reference(x_host, res_host, w_host, 1e-6, woff, mode)
+        ok = check(name + " residual_out", s, want_s, dtype_name, exact=True)
+        return check(name, y, want_y, dtype_name) and ok
+    y = rn.rms_norm(x, w, 1e-6, **kwargs)
+    return check(name, y, rn.rms_norm_reference(x_host, w_host, 1e-6, woff, mode), dtype_name)
+
+
+def main():
+    global one_sm
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer layouts (for racecheck)")
+    args = parser.parse_args()
+    cp.cuda.set_allocator(None)        # one cudaMalloc per array: memcheck sees exact bounds
+    rng = np.random.default_rng(0)
+    layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
+    calls = wrong = 0
+    for i, (dtype_name, op, hidden, layout) in enumerate(itertools.product(DTYPES, OPS, HIDDEN, layouts)):
+        wkind, woff = WEIGHTS[i % len(WEIGHTS)]
+        calls += 1
+        wrong += not run(rng, op, dtype_name, hidden, layout, ROWS, MODES[i % 2], wkind, woff)
+
+    # the grid-stride loop: more rows than a one-SM grid holds (32 blocks)
+    one_sm = True
+    _api._launchers.clear()            # launchers made above keep their plans
+    for i, (dtype_name, op, hidden, layout) in enumerate(
+            itertools.product(DTYPES, OPS, LOOP_HIDDEN, ("contiguous", "offset_inplace"))):
+        itemsize = DTYPES[dtype_name].itemsize
+        per_block = _plan.launch_plan(10 ** 6, hidden, itemsize, 16 // itemsize, 1,
+                                      op == "fused_add_rms_norm").rows_per_block
+        rows = 2 * _plan.BLOCKS_PER_SM_CAP * per_block + 3
+        wkind, woff = WEIGHTS[i % len(WEIGHTS)]
+        calls += 1
+        wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
+    one_sm = False
+    _api._launchers.clear()
+    cp.cuda.Device().synchronize()
+
+    shapes = sorted({s for s, _ in seen})
+    widths = sorted({v for _, v in seen})
+    print(f"sanitize_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
+          f"vector widths {widths}", flush=True)
+    if wrong:
+        return 3
+    if set(shapes) != {"warp", "block", "stream"}:
+        print("sanitize_grid: the grid missed a launch shape", flush=True)
+        return 4
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
