@@ -177,14 +177,14 @@ def from_dlpack(obj, arg):
 
 
 def _cupy_signature(a):
-    return (type(a), a.shape, a.strides, a.dtype, a.data.device_id)
+    return (a.shape, a.strides, a.dtype, a.data.device_id)
 
 
 def _torch_signature(t):
-    return (type(t), t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
 
 
-_SIGNATURES = {}   # array type -> function giving what a Launcher depends on
+_SIGNATURES = {}   # type of x -> (what a Launcher depends on of an array, is it x's kind)
 
 
 def signature(fused, arrays, eps, weight_offset, casting_mode):
@@ -194,17 +194,22 @@ def signature(fused, arrays, eps, weight_offset, casting_mode):
     ``arrays``: [x, residual, weight, out, residual_out], None where absent.
     """
     x = arrays[0]
-    sig_of = _SIGNATURES.get(type(x))
-    if sig_of is None:
-        cupy = sys.modules.get("cupy")
+    entry = _SIGNATURES.get(type(x))
+    if entry is None:
+        cupy, torch = sys.modules.get("cupy"), sys.modules.get("torch")
         if cupy is not None and type(x) is cupy.ndarray:
-            sig_of = _SIGNATURES[cupy.ndarray] = _cupy_signature
-        elif is_torch_tensor(x) and type(x) is sys.modules["torch"].Tensor:
-            sig_of = _SIGNATURES[type(x)] = _torch_signature
+            entry = _SIGNATURES[cupy.ndarray] = (_cupy_signature, lambda a: type(a) is cupy.ndarray)
+        elif torch is not None and type(x) is torch.Tensor:   # weights may be nn.Parameter
+            entry = _SIGNATURES[torch.Tensor] = (_torch_signature, lambda a: isinstance(a, torch.Tensor))
         else:
             return None
-    try:
-        return (fused, eps, weight_offset, casting_mode,
-                *[None if a is None else sig_of(a) for a in arrays])
-    except (AttributeError, TypeError):  # another kind of array in the mix: the full path says what
-        return None
+    sig_of, same_kind = entry
+    key = [type(x), fused, eps, weight_offset, casting_mode]
+    for a in arrays:
+        if a is None:
+            key.append(None)
+        elif same_kind(a):
+            key.append(sig_of(a))
+        else:                  # another kind of array in the mix: the full path says what
+            return None
+    return tuple(key)

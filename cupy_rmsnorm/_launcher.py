@@ -90,6 +90,9 @@ class Launcher:
         self._argv = np.array([base + 8 * i for i in range(5)] + [p.ctypes.data], np.uint64)
         self._argv_ptr = self._argv.ctypes.data
         self._by_vec = {}
+        self._by_low_bits = {}      # low 4 bits of the address differences -> (grid, block, kernel)
+        self.other_slots = tuple((k, _SLOT[k]) for k in self.others)
+        self.missing_slots = tuple((k, _SLOT[k]) for k in self.missing_outputs)
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
@@ -137,38 +140,35 @@ class Launcher:
             return self._run(arrays, checked)
 
     def _run(self, arrays, checked):
-        kind, itemsize = self.kind, self.itemsize
-        ptr = kind.ptr
+        ptr, itemsize = self.kind.ptr, self.itemsize
         slots = [0] * 5                                   # the kernel's pointers, in _KERNEL_POINTERS order
-        px = ptr(arrays[X])
+        slots[0] = px = ptr(arrays[X])
         bits, misaligned = self.stride_bits, px % itemsize
-        for k in self.others:
+        for k, i in self.other_slots:
             a = arrays[k]
             if a is not None:
-                p = slots[_SLOT[k]] = ptr(a)
+                p = slots[i] = ptr(a)
                 bits |= p - px
                 misaligned |= p % itemsize
         w = arrays[W]
         if w is not None:
-            slots[4] = ptr(w)
-            misaligned |= slots[4] % self.weight_itemsize
-        if misaligned:
+            slots[4] = p = ptr(w)
+            misaligned |= p % self.weight_itemsize
+        if misaligned or (self.given_outputs and not checked and not self._overlap_settled(arrays, slots)):
             return None
-        slots[0] = px
-        if self.given_outputs and not checked and not self._overlap_settled(arrays, slots):
-            return None
-        for k in self.missing_outputs:
-            a = arrays[k] = kind.empty(self.shape, arrays[X])
-            p = slots[_SLOT[k]] = ptr(a)
+        for k, i in self.missing_slots:
+            a = arrays[k] = self.kind.empty(self.shape, arrays[X])
+            p = slots[i] = ptr(a)
             bits |= p - px
         result = (arrays[OUT], arrays[RO]) if self.fused else arrays[OUT]
         if self.rows == 0:
             return result
-        entry = self._by_vec.get(vector_width_from_bits(itemsize, bits))
+        entry = self._by_low_bits.get(bits & 15)          # only these decide the vector width
         if entry is None:
-            entry = self.plan_and_function(vector_width_from_bits(itemsize, bits))
-        plan, fn = entry
+            plan, fn = self.plan_and_function(vector_width_from_bits(itemsize, bits))
+            entry = self._by_low_bits[bits & 15] = (plan.grid, plan.block, fn.ptr)
+        grid, block, fn_ptr = entry
         with self._lock:
             _pack_pointers(self._slots, 0, *slots)
-            kind.launch(self.device, fn.ptr, plan.grid, plan.block, self._argv_ptr)
+            self.kind.launch(self.device, fn_ptr, grid, block, self._argv_ptr)
         return result
