@@ -88,23 +88,34 @@ __device__ __forceinline__ float weight_at(const W* w, int j, float w_offset, in
     return (flags & kHasWeight) ? to_float(__ldg(w + j)) + w_offset : 1.0f;
 }
 
+// Normalize one body vector with its weights (already offset).
+template <typename T, typename W, int VEC>
+__device__ __forceinline__ Pack<T, VEC> scale_vec(const Pack<T, VEC>& a, const float (&wv)[VEC],
+                                                  float inv_rms, int flags) {
+    Pack<T, VEC> o;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o.v[e] = normalize<T, W>(to_float(a.v[e]), inv_rms, wv[e], flags);
+    return o;
+}
+
+template <typename W, int VEC>
+__device__ __forceinline__ void weights_of(const Pack<W, VEC>& wp, float w_offset, float (&wv)[VEC]) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) wv[e] = to_float(wp.v[e]) + w_offset;
+}
+
 // Normalize one body vector; the weight comes as one aligned vector load when it can.
 template <typename T, typename W, int VEC>
 __device__ __forceinline__ Pack<T, VEC> finish_vec(const Pack<T, VEC>& a, const W* wb, int v, bool w_vec,
                                                    float inv_rms, float w_offset, int flags) {
     float wv[VEC];
     if (w_vec) {
-        const Pack<W, VEC> wp = reinterpret_cast<const Pack<W, VEC>*>(wb)[v];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) wv[e] = to_float(wp.v[e]) + w_offset;
+        weights_of<W, VEC>(reinterpret_cast<const Pack<W, VEC>*>(wb)[v], w_offset, wv);
     } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) wv[e] = weight_at(wb, v * VEC + e, w_offset, flags);
     }
-    Pack<T, VEC> o;
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) o.v[e] = normalize<T, W>(to_float(a.v[e]), inv_rms, wv[e], flags);
-    return o;
+    return scale_vec<T, W, VEC>(a, wv, inv_rms, flags);
 }
 
 template <typename T, typename W, bool FUSED, int VEC, int G, int NV>
@@ -149,8 +160,13 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
         const bool w_vec = (flags & kHasWeight) &&
             ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
 
-        float ss = 0.f, head_v = 0.f, tail_v = 0.f;
+        float ss = 0.f, head_v = 0.f, tail_v = 0.f, head_w = 1.f, tail_w = 1.f;
         VecT keep[NV > 0 ? NV : 1];              // the row's body, kept for the second pass
+        // Short rows: the weights are fetched with the row, not after the reduction, so
+        // their latency is off the critical path (only where registers allow).
+        constexpr bool PREFETCH_W = NV == 1;
+        Pack<W, VEC> wk[PREFETCH_W ? NV : 1];
+        const bool prefetch_w = PREFETCH_W && w_vec;
         const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
         const VecT* rv = reinterpret_cast<const VecT*>(rr + head);
         VecT* rov = reinterpret_cast<VecT*>(ror + head);
@@ -161,6 +177,13 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
                 for (int i = 0; i < NV; ++i) {  // issue every body load before the first use
                     const int v = tid + i * G;
                     if (v < n_body) { keep[i] = xv[v]; if (FUSED) other[i] = rv[v]; }
+                }
+                if (prefetch_w) {
+#pragma unroll
+                    for (int i = 0; i < NV; ++i) {
+                        const int v = tid + i * G;
+                        if (v < n_body) wk[i] = reinterpret_cast<const Pack<W, VEC>*>(w + head)[v];
+                    }
                 }
                 // head and tail loads go out while the body loads are in flight
                 if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
@@ -197,6 +220,8 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
                 }
             }
             ss += head_v * head_v + tail_v * tail_v;
+            if (has_head) head_w = weight_at(w, tid, w_offset, flags);
+            if (has_tail) tail_w = weight_at(w, tail_start + tid, w_offset, flags);
         }
 
         ss = group_sum<G>(ss);
@@ -211,11 +236,8 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
         if (!active) continue;
         const float inv_rms = rsqrtf(ss / (float)hidden + eps);
 
-        if (has_head) yr[tid] = normalize<T, W>(head_v, inv_rms, weight_at(w, tid, w_offset, flags), flags);
-        if (has_tail) {
-            const int j = tail_start + tid;
-            yr[j] = normalize<T, W>(tail_v, inv_rms, weight_at(w, j, w_offset, flags), flags);
-        }
+        if (has_head) yr[tid] = normalize<T, W>(head_v, inv_rms, head_w, flags);
+        if (has_tail) yr[tail_start + tid] = normalize<T, W>(tail_v, inv_rms, tail_w, flags);
         // The body comes from registers, or (streaming) is re-read: from residual_out
         // when FUSED, where this same thread wrote the rounded sum.
         const T* src = FUSED ? ror : xr;
@@ -226,7 +248,14 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
 #pragma unroll
             for (int i = 0; i < NV; ++i) {
                 const int v = tid + i * G;
-                if (v < n_body) yv[v] = finish_vec<T, W, VEC>(keep[i], wb, v, w_vec, inv_rms, w_offset, flags);
+                if (v >= n_body) continue;
+                if (prefetch_w) {
+                    float wv[VEC];
+                    weights_of<W, VEC>(wk[PREFETCH_W ? i : 0], w_offset, wv);
+                    yv[v] = scale_vec<T, W, VEC>(keep[i], wv, inv_rms, flags);
+                } else {
+                    yv[v] = finish_vec<T, W, VEC>(keep[i], wb, v, w_vec, inv_rms, w_offset, flags);
+                }
             }
         } else {
 #pragma unroll 4

@@ -144,8 +144,9 @@ def tolerance_array(ref, dtype_name, casting_mode="fp32", ulps=None):
 
 def count_bad(got, ref, tol):
     """How many elements of ``got`` (reshaped to ref's shape) miss ``ref`` by more than
-    ``tol``; a NaN in ``got`` always counts. One reduction: the fast path of the grid."""
-    return int(_count_bad(to_float64(got).reshape(ref.shape), ref, tol))
+    ``tol`` (a NaN in ``got`` always counts), as a 0-d device array: one reduction and
+    no synchronization, the fast path of the grid."""
+    return _count_bad(to_float64(got).reshape(ref.shape), ref, tol)
 
 
 def compare(got, ref, dtype_name, casting_mode="fp32", row0=0, ulps=None):
@@ -197,8 +198,13 @@ def nan_equal_bits(got, want):
 
 
 def count_not_poison(a):
-    """Elements of ``a`` whose bits are not the poison NaN (any layout)."""
-    return int(cp.count_nonzero(bits(a) != _UINT[a.itemsize](NAN_BITS[name(a.dtype)])))
+    """Elements of ``a`` whose bits are not the poison NaN (any layout), as a 0-d device array."""
+    return cp.count_nonzero(bits(a) != _UINT[a.itemsize](NAN_BITS[name(a.dtype)]))
+
+
+def count_differing_bits(a, b):
+    """Elements whose bits differ between two arrays of one shape, as a 0-d device array."""
+    return cp.count_nonzero(bits(a) != bits(b))
 
 
 def take_rows(a2d, rows):

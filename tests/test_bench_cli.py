@@ -105,8 +105,10 @@ def test_logical_bytes():
 
 def test_plan_for_is_the_library_plan():
     import cupy_rmsnorm as rn
-    assert shapes.plan_for(4096, 4095, 2, 132) == rn.launch_plan(4096, 4095, 2, 8, 132)
-    assert shapes.plan_for(1, 4096, 4, 132) == rn.launch_plan(1, 4096, 4, 4, 132)
+    assert shapes.plan_for("rms", 4096, 4095, 2, 132) == rn.launch_plan(4096, 4095, 2, 8, 132)
+    assert shapes.plan_for("rms", 1, 4096, 4, 132) == rn.launch_plan(1, 4096, 4, 4, 132)
+    assert shapes.plan_for("fused", 4096, 4096, 2, 132) == rn.launch_plan(4096, 4096, 2, 8, 132, True)
+    assert shapes.plan_for("fused", 4096, 4096, 2, 132) != shapes.plan_for("rms", 4096, 4096, 2, 132)
 
 
 def test_calls_for_targets_the_time_within_limits():
@@ -451,7 +453,8 @@ def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
 
     import cupy_rmsnorm as rn
     for r in results:    # every row carries our plan for its shape (132 SMs, 16-byte vectors)
-        assert r["plan"] == dataclasses.asdict(rn.launch_plan(r["tokens"], r["hidden"], 2, 8, 132))
+        assert r["plan"] == dataclasses.asdict(rn.launch_plan(r["tokens"], r["hidden"], 2, 8, 132,
+                                                              r["op"] == "fused"))
     assert {e["where"] for e in payload["errors"] if not e.get("skipped")} == \
         {"rms bfloat16 4096x255 cupy", "fused bfloat16 4096x255 cupy"}
     ours = next(r for r in results if r["impl"] == "ours" and r["tokens"] == 4096 and r["hidden"] == 4096

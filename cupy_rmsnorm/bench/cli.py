@@ -216,7 +216,7 @@ class Sweep:
         args, bar = self.args, self.bar
         itemsize = shapes.ITEMSIZE[case.dtype]
         nbytes = shapes.logical_bytes(case.op, case.tokens, case.hidden, itemsize)
-        plan = shapes.plan_for(case.tokens, case.hidden, itemsize, self.sm_count)
+        plan = shapes.plan_for(case.op, case.tokens, case.hidden, itemsize, self.sm_count)
         runner = self.runners[peers.RUNNER_KIND[name]]
         where = f"{case.op} {case.dtype} {case.tokens}x{case.hidden} {name}"
         bar.update(f"{where} (warm-up)")

@@ -76,8 +76,8 @@ def logical_bytes(op, tokens, hidden, itemsize, weight_itemsize=None):
     return arrays * per_array + hidden * (weight_itemsize or itemsize)
 
 
-def plan_for(tokens, hidden, itemsize, sm_count):
+def plan_for(op, tokens, hidden, itemsize, sm_count):
     """Our launch plan for a contiguous problem (16-byte vectors, as the pool's
     aligned allocations allow)."""
     import cupy_rmsnorm as rn
-    return rn.launch_plan(tokens, hidden, itemsize, 16 // itemsize, sm_count)
+    return rn.launch_plan(tokens, hidden, itemsize, 16 // itemsize, sm_count, op == "fused")
