@@ -110,7 +110,8 @@ __device__ __forceinline__ Pack<T, VEC> finish_vec(const Pack<T, VEC>& a, const 
                                                    float inv_rms, float w_offset, int flags) {
     float wv[VEC];
     if (w_vec) {
-        weights_of<W, VEC>(reinterpret_cast<const Pack<W, VEC>*>(wb)[v], w_offset, wv);
+        const Pack<W, VEC> wp = reinterpret_cast<const Pack<W, VEC>*>(wb)[v];  // one 16-byte load
+        weights_of<W, VEC>(wp, w_offset, wv);
     } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) wv[e] = weight_at(wb, v * VEC + e, w_offset, flags);
@@ -259,8 +260,10 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
             }
         } else {
 #pragma unroll 4
-            for (int v = tid; v < n_body; v += G)
-                yv[v] = finish_vec<T, W, VEC>(sv[v], wb, v, w_vec, inv_rms, w_offset, flags);
+            for (int v = tid; v < n_body; v += G) {
+                const VecT a = sv[v];               // one 16-byte load, not one per element
+                yv[v] = finish_vec<T, W, VEC>(a, wb, v, w_vec, inv_rms, w_offset, flags);
+            }
         }
     }
 }
