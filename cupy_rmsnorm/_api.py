@@ -5,7 +5,6 @@ overlap; nothing launched or written on error) -> launch plan -> kernel cache ->
 launch on the caller's stream -> results as the caller's array type.
 """
 
-
 from . import _interop, _validate
 from ._interop import CupyKind, NumpyKind, TorchKind
 from ._launcher import NAMES as _NAMES, Launcher
