@@ -5,6 +5,8 @@ overlap; nothing launched or written on error) -> launch plan -> kernel cache ->
 launch on the caller's stream -> results as the caller's array type.
 """
 
+import numpy as np
+
 from . import _interop, _validate
 from ._interop import CupyKind, NumpyKind, TorchKind
 from ._launcher import NAMES as _NAMES, Launcher
@@ -170,7 +172,8 @@ class _Job:
 
     def _copy(self, k):
         self.copied = True
-        self.named[k] = self.kind.contiguous(self.named[k])
+        self.named[k] = self.kind.contiguous(self.named[k]) if self.kind is not NumpyKind \
+            else np.ascontiguousarray(self.named[k])
         self.metas[k] = self.kind.meta(self.named[k])
 
     # -- overlap -------------------------------------------------------------------------

@@ -47,10 +47,6 @@ class NumpyKind:
         return Meta(a.__array_interface__["data"][0], a.shape, _elem_strides(a.strides, a.itemsize),
                     _dtype_name(a.dtype), a.itemsize, -1)
 
-    @staticmethod
-    def contiguous(a):
-        return np.ascontiguousarray(a)
-
 
 _driver_launch = None
 
