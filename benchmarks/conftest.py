@@ -23,5 +23,6 @@ def gpu():
         pytest.skip(f"GPU benchmark: {reason}")
     from cupy_rmsnorm.bench import timing
     copy_gbps, _ = timing.copy_bandwidth_gbps()
-    return types.SimpleNamespace(copy_gbps=copy_gbps, sm_count=timing.device_info()["sm_count"],
+    info = timing.device_info()
+    return types.SimpleNamespace(copy_gbps=copy_gbps, sm_count=info["sm_count"], max_cluster=info["max_cluster"],
                                  runner=timing.CupyRunner(), scratch=timing.Scratch())

@@ -50,21 +50,22 @@ def measure(fn, sync, calls, repeats, warmup):
             "host_us_repeats": host, "total_us_repeats": total}
 
 
-def _capture_launch(kind, call):
-    """Run ``call`` once with ``kind.launch`` spied on; return its arguments
-    (device, kernel pointer, grid, block, argument-array pointer)."""
-    raw = kind.__dict__["launch"]
+def _capture_launch(call):
+    """Run ``call`` once with ``_driver.launch`` spied on; return its arguments (device,
+    kernel pointer, grid, block, stream, argument-array pointer, launch config)."""
+    from cupy_rmsnorm import _driver
+    raw = _driver.launch
     seen = []
 
     def spy(*args):
         seen.append(args)
-        return raw.__func__(kind, *args) if isinstance(raw, classmethod) else raw.__func__(*args)
+        return raw(*args)
 
-    setattr(kind, "launch", staticmethod(spy))
+    _driver.launch = spy
     try:
         call()
     finally:
-        setattr(kind, "launch", raw)
+        _driver.launch = raw
     if not seen:
         raise RuntimeError("no launch seen")
     return seen[-1]
@@ -73,7 +74,7 @@ def _capture_launch(kind, call):
 def cupy_cases(rows, hidden):
     import cupy
     import ml_dtypes
-    from cupy_rmsnorm._interop import CupyKind
+    from cupy_rmsnorm import _driver
 
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
@@ -89,8 +90,8 @@ def cupy_cases(rows, hidden):
             rn.fused_add_rms_norm, x, r, w, out=out, residual_out=res_out),
     }
     try:
-        launch_args = _capture_launch(CupyKind, cases["cupy_rmsnorm rms_norm, CuPy, out="])
-        cases["launch floor: cached kernel, CuPy"] = functools.partial(CupyKind.launch, *launch_args)
+        launch_args = _capture_launch(cases["cupy_rmsnorm rms_norm, CuPy, out="])
+        cases["launch floor: cached kernel, CuPy"] = functools.partial(_driver.launch, *launch_args)
     except Exception as e:  # noqa: BLE001 - the floor is informative, not essential
         print(f"(no CuPy launch floor: {type(e).__name__}: {e})")
     return cases
@@ -99,7 +100,7 @@ def cupy_cases(rows, hidden):
 def torch_cases(rows, hidden):
     import torch
     import torch.nn.functional as F
-    from cupy_rmsnorm._interop import TorchKind
+    from cupy_rmsnorm import _driver
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
@@ -126,8 +127,8 @@ def torch_cases(rows, hidden):
         "torch r.add_(x), then F.rms_norm": torch_add_inplace_norm,
     }
     try:
-        launch_args = _capture_launch(TorchKind, cases["cupy_rmsnorm rms_norm, torch, out="])
-        cases["launch floor: cached kernel, torch stream"] = functools.partial(TorchKind.launch, *launch_args)
+        launch_args = _capture_launch(cases["cupy_rmsnorm rms_norm, torch, out="])
+        cases["launch floor: cached kernel, torch stream"] = functools.partial(_driver.launch, *launch_args)
     except Exception as e:  # noqa: BLE001
         print(f"(no torch launch floor: {type(e).__name__}: {e})")
     return cases

@@ -3,9 +3,10 @@
     PYTHONPATH=$PWD python3 benchmarks/sweep_plans.py --out results/sweep.csv
 
 For each op and shape it times the heuristic's plan and neighbours of it (threads per
-row halved / doubled, streaming for long rows), each with the same inputs, and prints
-the best. The plan is forced through launch_plan's keyword
-arguments; nothing else changes.
+row halved / doubled, eight vectors per thread, streaming for long rows, clusters of 1
+to 8 blocks per row for few long rows), the heuristic's plan without programmatic
+dependent launch, each with the same inputs, and prints the best. The plan is forced
+through launch_plan's keyword arguments; nothing else changes.
 """
 
 import argparse
@@ -17,13 +18,14 @@ import ml_dtypes
 import numpy as np
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _api, _launcher
+from cupy_rmsnorm import _api, _driver, _launcher
 from cupy_rmsnorm._plan import launch_plan as heuristic
 
 SHAPES = [(1, 4096), (32, 4096), (256, 4096), (1024, 4096), (4096, 4096), (16384, 4096),
           (1, 8192), (256, 8192), (1024, 8192), (4096, 8192), (16384, 8192),
           (4096, 512), (4096, 1024), (4096, 2048), (4096, 255), (4096, 4095), (4096, 8193),
-          (256, 5120), (256, 7168), (1, 16384), (32, 16384), (1, 32768), (32, 32768)]
+          (256, 5120), (256, 7168), (1, 16384), (8, 16384), (32, 16384), (1, 32768), (32, 32768),
+          (32, 8192)]
 
 
 def graph_us(fn, calls=100, repeats=7):
@@ -48,18 +50,25 @@ def graph_us(fn, calls=100, repeats=7):
     return float(np.median(ts))
 
 
-def force(**overrides):
-    """Make the launcher use launch_plan with these keyword overrides (None: the heuristic)."""
+PDL = {}   # device 0: whether the driver launches with PDL at all (found in main)
+
+
+def force(pdl=True, **overrides):
+    """Make the launcher use launch_plan with these keyword overrides (None: the heuristic),
+    and programmatic dependent launch or not."""
     _launcher.launch_plan = lambda *a, **k: heuristic(*a, **{**k, **overrides})
     _api._launchers.clear()
+    _driver._pdl_devices[0] = pdl and PDL[0]
 
 
-def candidates(rows, hidden, fused, sm):
-    """The heuristic's plan, then threads per row halved and doubled (vectors per thread
-    following), and streaming for long rows."""
-    base = heuristic(rows, hidden, 2, 8, sm, fused)
-    out = [("heuristic", {})]
-    n = hidden // 8
+def candidates(rows, hidden, fused, sm, max_cluster):
+    """The heuristic's plan, the same without programmatic dependent launch, then threads
+    per row halved and doubled (vectors per thread following, up to 8 for rms_norm),
+    streaming for long rows, and each cluster size for few long rows."""
+    base = heuristic(rows, hidden, 2, 8, sm, fused, edges=hidden % 8 != 0, max_cluster=max_cluster)
+    out = [("heuristic", {}), ("heuristic/no-pdl", dict(pdl=False))]
+    c0 = base.cluster
+    n = -(-(hidden // 8) // c0)
     g0 = base.threads_per_row
     for g in (g0 // 2, g0 * 2):
         if not 8 <= g <= 1024:
@@ -67,10 +76,21 @@ def candidates(rows, hidden, fused, sm):
         nv = 1
         while g * nv < n:
             nv *= 2
-        if nv <= 4 and (g <= 32 or g * nv < 2 * n):
-            out.append((f"G{g}/NV{nv}", dict(threads_per_row=g, vecs_per_thread=nv)))
+        if nv <= (4 if fused else 8) and (g <= 32 or g * nv < 2 * n):
+            out.append((f"G{g}/NV{nv}/C{c0}", dict(threads_per_row=g, vecs_per_thread=nv, cluster=c0)))
     if n >= 1024:
-        out.append(("stream", dict(threads_per_row=1024, vecs_per_thread=0)))
+        out.append((f"stream/C{c0}", dict(threads_per_row=1024, vecs_per_thread=0, cluster=c0)))
+    if max_cluster > 1 and rows <= 64 and hidden // 8 >= 512:
+        for c in (1, 2, 4, 8):
+            if c != c0:
+                out.append((f"C{c}", dict(cluster=c)))
+                m = -(-(hidden // 8) // c)
+                if m >= 256:        # the same cluster with one vector per thread, or as few as fit
+                    g = min(1024, 1 << (m - 1).bit_length())
+                    nv = -(-m // g)
+                    nv = 1 << (nv - 1).bit_length()
+                    if nv <= (2 if fused else 4):
+                        out.append((f"G{g}/NV{nv}/C{c}", dict(threads_per_row=g, vecs_per_thread=nv, cluster=c)))
     return out
 
 
@@ -80,7 +100,10 @@ def main():
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,1x8192")
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    sm = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    sm, max_cluster = props["multiProcessorCount"], _launcher.device_limits(0)[1]
+    PDL[0] = _driver.pdl_enabled(0)
+    print(f"programmatic dependent launch: {PDL[0]}; largest cluster {max_cluster}", flush=True)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     big = cp.empty(1 << 30, dtype=cp.uint8)
     copy_dst = cp.empty_like(big)
@@ -91,6 +114,11 @@ def main():
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     del big, copy_dst
     rows_out = []
+    fields = ["op", "rows", "hidden", "config", "plan", "us", "gbps", "pct_copy", "max_rel_diff"]
+    sink = open(args.out, "w", newline="") if args.out else None   # written row by row
+    writer = csv.DictWriter(sink, fieldnames=fields) if sink else None
+    if writer:
+        writer.writeheader()
     rng = cp.random.default_rng(0)
     for rows, hidden in shapes:
         x = rng.standard_normal((rows, hidden), dtype=cp.float32).astype(bf16)
@@ -100,33 +128,43 @@ def main():
         for fused in (False, True):
             nbytes = (4 if fused else 2) * x.nbytes + w.nbytes
             results = []
-            for name, ov in candidates(rows, hidden, fused, sm):
+            want = None       # the heuristic's output: every other plan must agree with it
+            for name, ov in candidates(rows, hidden, fused, sm, max_cluster):
                 force(**ov)
                 if fused:
                     fn = lambda: rn.fused_add_rms_norm(x, r, w, out=y, residual_out=ro)  # noqa: E731
                 else:
                     fn = lambda: rn.rms_norm(x, w, out=y)  # noqa: E731
-                plan = heuristic(rows, hidden, 2, 8, sm, fused, **ov)
+                plan = heuristic(rows, hidden, 2, 8, sm, fused, edges=hidden % 8 != 0, max_cluster=max_cluster,
+                                 **{k: v for k, v in ov.items() if k != "pdl"})
                 try:
                     us = graph_us(fn)
                 except Exception as e:  # noqa: BLE001 - report the config and go on
                     print(f"  {name} {plan}: {type(e).__name__}: {e}", flush=True)
                     continue
+                got = y.astype(cp.float32)
+                if want is None:
+                    want = got
+                diff = float(cp.abs(got - want).max() / max(float(cp.abs(want).max()), 1e-30))
+                if diff > 2.0 ** -6:     # a few bf16 ulps: summation order differs between plans
+                    print(f"  {name} {plan}: WRONG result, max relative difference {diff:.3g}", flush=True)
+                    continue
                 results.append((us, name))
-                rows_out.append(dict(op="fused" if fused else "rms", rows=rows, hidden=hidden, config=name,
-                                     plan=str(plan), us=round(us, 3), gbps=round(nbytes / us / 1e3, 1),
-                                     pct_copy=round(100 * nbytes / us / 1e3 / copy_gbps, 1)))
+                row = dict(op="fused" if fused else "rms", rows=rows, hidden=hidden, config=name,
+                           plan=str(plan), us=round(us, 3), gbps=round(nbytes / us / 1e3, 1),
+                           pct_copy=round(100 * nbytes / us / 1e3 / copy_gbps, 1), max_rel_diff=diff)
+                rows_out.append(row)
+                if writer:
+                    writer.writerow(row)
+                    sink.flush()
             force()
             h = results[0][0]
             best = min(results)
             print(f"{'fused' if fused else 'rms':5s} {rows:6d}x{hidden:<6d} heuristic {h:8.2f} us "
                   f"({nbytes / h / 1e3 / copy_gbps * 100:5.1f}% copy)  best {best[0]:8.2f} us {best[1]}", flush=True)
         del x, r, y, ro
-    if args.out:
-        with open(args.out, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-            wr.writeheader()
-            wr.writerows(rows_out)
+    if sink:
+        sink.close()
     return 0
 
 

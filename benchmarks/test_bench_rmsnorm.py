@@ -48,7 +48,7 @@ def test_rmsnorm(benchmark, gpu, op, shape, dtype, mode):
     finally:
         timer.close()
     us = statistics.median(timer.samples[-ROUNDS[mode]:])   # the timed rounds, not the warm-up
-    plan = shapes.plan_for(op, tokens, hidden, shapes.ITEMSIZE[dtype], gpu.sm_count)
+    plan = shapes.plan_for(op, tokens, hidden, shapes.ITEMSIZE[dtype], gpu.sm_count, gpu.max_cluster)
     rec = report.make_record(op, dtype, tokens, hidden, "ours", mode, us, nbytes, gpu.copy_gbps,
                              calls, ROUNDS[mode], err, plan)
     benchmark.extra_info.update({

@@ -48,29 +48,9 @@ class NumpyKind:
                     _dtype_name(a.dtype), a.itemsize, -1)
 
 
-_driver_launch = None
-
-
-def _launch(device, fn_ptr, grid, block, stream_ptr, argv_ptr):
-    """cuLaunchKernel; a thread that has not touched CUDA yet gets the device's context first."""
-    global _driver_launch
-    if _driver_launch is None:
-        from cupy_backends.cuda.api import driver
-        _driver_launch = driver.launchKernel
-    try:
-        _driver_launch(fn_ptr, grid, 1, 1, block, 1, 1, 0, stream_ptr, argv_ptr, 0)
-    except Exception:
-        from cupy_backends.cuda.api import driver
-        if driver.ctxGetCurrent() != 0:
-            raise
-        from cupy.cuda import runtime
-        runtime.setDevice(device)   # makes the primary context current in this thread
-        _driver_launch(fn_ptr, grid, 1, 1, block, 1, 1, 0, stream_ptr, argv_ptr, 0)
-
-
 class CupyKind:
     """CuPy arrays: launched on CuPy's current stream. The Launcher has made the arrays'
-    device current before empty() and launch() are called."""
+    device current before empty() and stream() are called."""
     name = "cupy"
 
     @staticmethod
@@ -97,8 +77,8 @@ class CupyKind:
             return cupy.ascontiguousarray(a)
 
     @staticmethod
-    def launch(device, fn_ptr, grid, block, argv_ptr):
-        _launch(device, fn_ptr, grid, block, _cupy().cuda.get_current_stream().ptr, argv_ptr)
+    def stream(device):
+        return _cupy().cuda.get_current_stream().ptr
 
 
 class TorchKind:
@@ -140,9 +120,8 @@ class TorchKind:
         return t.contiguous()
 
     @staticmethod
-    def launch(device, fn_ptr, grid, block, argv_ptr):
-        stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
-        _launch(device, fn_ptr, grid, block, stream, argv_ptr)
+    def stream(device):
+        return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
 
 
 def _cupy():

@@ -1,7 +1,8 @@
 """Kernel sources, NVRTC options and the per-device cache of compiled kernels.
 
-One template in ``kernels/rms_norm.cu``; each (storage type, weight type, fused, vector
-width, threads per row, vectors per thread) is an instantiation, compiled the
+Two templates in ``kernels/rms_norm.cu`` (a block or a group per row, and a cluster per
+row); each (storage type, weight type, fused, vector width, threads per row, vectors per
+thread, edges, cluster size) is an instantiation, compiled the
 first time a call needs it on a device (CuPy's disk cache keeps the binary across
 processes) and kept here as a launchable function.
 """
@@ -33,7 +34,8 @@ def name_expression(dtype, weight_dtype, fused, plan):
     t = CUDA_TYPES[dtype]
     w = CUDA_TYPES[weight_dtype or dtype]
     args = ", ".join(str(a) for a in plan.template_args())
-    return f"rmsnorm::rms_norm_kernel<{t}, {w}, {'true' if fused else 'false'}, {args}>"
+    kernel = "rms_norm_cluster_kernel" if plan.cluster > 1 else "rms_norm_kernel"
+    return f"rmsnorm::{kernel}<{t}, {w}, {'true' if fused else 'false'}, {args}>"
 
 
 def _has_header(folder):

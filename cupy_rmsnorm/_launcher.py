@@ -9,7 +9,7 @@ on them (alignment, vector width, overlap of given outputs with inputs), allocat
 missing outputs and launch. Whatever those cheap checks cannot settle returns
 ``None``, and the caller takes the full path.
 
-Kernels are launched with the driver's cuLaunchKernel on the caller's stream: five
+Kernels are launched through the driver (``_driver``) on the caller's stream: five
 pointer slots and the ``Params`` struct live in one host buffer per Launcher, so a call
 writes five integers and launches (CuPy's generic argument packing costs several
 times that).
@@ -21,8 +21,9 @@ import threading
 
 import numpy as np
 
+from . import _driver
 from ._kernels import kernels, name_expression
-from ._plan import launch_plan, vector_width_from_bits
+from ._plan import launch_plan, max_cluster_for, vector_width_from_bits
 
 X, RES, W, OUT, RO = range(5)            # positions in the arrays list
 NAMES = ("x", "residual", "weight", "out", "residual_out")
@@ -40,15 +41,17 @@ _KERNEL_POINTERS = (X, RES, OUT, RO, W)  # the kernel's pointer arguments, in or
 _SLOT = {k: i for i, k in enumerate(_KERNEL_POINTERS)}
 _pack_pointers = struct.Struct("<5Q").pack_into
 
-_sm_counts = {}
+_devices = {}
 
 
-def sm_count(device):
-    n = _sm_counts.get(device)
-    if n is None:
+def device_limits(device):
+    """(multiprocessor count, largest cluster) of a device: clusters need sm_90."""
+    limits = _devices.get(device)
+    if limits is None:
         from cupy.cuda import runtime
-        n = _sm_counts[device] = runtime.getDeviceProperties(device)["multiProcessorCount"]
-    return n
+        props = runtime.getDeviceProperties(device)
+        limits = _devices[device] = (props["multiProcessorCount"], max_cluster_for(props["major"]))
+    return limits
 
 
 class Launcher:
@@ -77,6 +80,9 @@ class Launcher:
             so, si = row_strides[k]
             bits |= ((so - xso) * itemsize) | ((si - xsi) * itemsize)
         self.stride_bits = bits
+        # x's rows all start on its vector grid when its address and strides do (the
+        # strides part is settled here; the address, per call)
+        self.x_stride_bytes = (xso * itemsize) | ((xsi * itemsize) if n_inner != 1 else 0)
         self.params = np.zeros(1, PARAMS_DTYPE)
         p = self.params
         p["rows"], p["n_inner"], p["hidden"] = rows, n_inner, self.hidden
@@ -89,21 +95,29 @@ class Launcher:
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
         self._argv = np.array([base + 8 * i for i in range(5)] + [p.ctypes.data], np.uint64)
         self._argv_ptr = self._argv.ctypes.data
+        self._config = _driver.LaunchConfig()
         self._by_vec = {}
-        self._by_low_bits = {}      # low 4 bits of the address differences -> (grid, block, kernel)
+        self._by_low_bits = {}      # low 4 bits of x's address and differences -> (grid, block, kernel)
         self.other_slots = tuple((k, _SLOT[k]) for k in self.others)
         self.missing_slots = tuple((k, _SLOT[k]) for k in self.missing_outputs)
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
 
-    def plan_and_function(self, vec):
-        """The plan and compiled kernel for a vector width (cached; compiled on first use)."""
-        entry = self._by_vec.get(vec)
+    def plan_and_function(self, vec, edges=True):
+        """The plan and compiled kernel for a vector width (cached; compiled on first use).
+        ``edges``: whether rows may have a scalar head or tail (see LaunchPlan)."""
+        entry = self._by_vec.get((vec, edges))
         if entry is None:
-            plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, sm_count(self.device), self.fused)
-            entry = self._by_vec[vec] = (plan, self.function(plan))
+            sms, max_cluster = device_limits(self.device)
+            plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, sms, self.fused,
+                               edges=edges, max_cluster=max_cluster)
+            entry = self._by_vec[(vec, edges)] = (plan, self.function(plan))
         return entry
+
+    def edges(self, vec, x_ptr):
+        """False when every row of x starts on the vector grid and holds whole vectors."""
+        return bool(self.hidden % vec or (x_ptr | self.x_stride_bytes) % (vec * self.itemsize))
 
     def function(self, plan):
         """The compiled kernel for a plan."""
@@ -163,12 +177,16 @@ class Launcher:
         result = (arrays[OUT], arrays[RO]) if self.fused else arrays[OUT]
         if self.rows == 0:
             return result
-        entry = self._by_low_bits.get(bits & 15)          # only these decide the vector width
+        key = (bits & 15) | ((px & 15) << 4)              # all that decides vector width and edges
+        entry = self._by_low_bits.get(key)
         if entry is None:
-            plan, fn = self.plan_and_function(vector_width_from_bits(itemsize, bits))
-            entry = self._by_low_bits[bits & 15] = (plan.grid, plan.block, fn.ptr)
+            vec = vector_width_from_bits(itemsize, bits)
+            plan, fn = self.plan_and_function(vec, self.edges(vec, px))
+            _driver.pdl_enabled(self.device)
+            entry = self._by_low_bits[key] = (plan.grid_dims(), plan.block, fn.ptr)
         grid, block, fn_ptr = entry
+        stream = self.kind.stream(self.device)
         with self._lock:
             _pack_pointers(self._slots, 0, *slots)
-            self.kind.launch(self.device, fn_ptr, grid, block, self._argv_ptr)
+            _driver.launch(self.device, fn_ptr, grid, block, stream, self._argv_ptr, self._config)
         return result

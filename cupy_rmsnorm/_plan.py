@@ -12,14 +12,17 @@ VECTOR_BYTES = 16          # one 128-bit load or store per thread and step
 WARP = 32
 MAX_BLOCK = 1024
 WARP_VARIANT_BLOCK = 256   # block size when groups of <= 32 threads share a block
-BLOCKS_PER_SM_CAP = 32     # grid cap; the kernel loops over the remaining rows
+MAX_GRID_X = 2 ** 31 - 1   # CUDA's grid limits
+MAX_GRID_Y = 65535
+GRID_ROW = 1 << 16         # blocks per grid row when one row is not enough
 # Past these, the row no longer fits in registers without spills (ptxas -v, sm_90).
 MAX_VECS_PER_THREAD = 4
 MAX_VECS_PER_THREAD_FUSED = 2
 # Choices below were measured on an H200 (benchmarks/NOTES.md, benchmarks/results/sweep_plans.csv).
-FEW_ROWS = 256             # up to here latency rules: spread a row over more threads
-MANY_VECTORS = 1 << 20     # rows x vectors from here: rms_norm keeps 4 vectors per thread in flight
-
+FEW_ROWS = 256             # up to here latency rules: one vector per thread, clusters for long rows
+ONE_BLOCK_VECTORS = 512    # few rows longer than this get a cluster of blocks each (sm_90)
+CLUSTER_MIN_VECTORS = 128  # ... as large as fits one wave, each block keeping at least this many
+MAX_CLUSTER = 8            # the portable cluster size limit (sm_90)
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -29,11 +32,16 @@ class LaunchPlan:
       ``"stream"`` (rows too long for registers: the second pass re-reads the row,
       mostly from L2).
     vec: elements per vector access (16 bytes' worth when alignment allows, else less).
-    threads_per_row: the group of threads that owns one row (a power of two, >= 8);
-      groups of up to 32 threads share a block, several rows per block, and reduce with
-      warp shuffles; larger groups get a block each.
+    threads_per_row: the group of threads that owns one row, or its share of a row with
+      a cluster (a power of two, >= 8); groups of up to 32 threads share a block, several
+      rows per block, and reduce with warp shuffles; larger groups get a block each.
     vecs_per_thread: vectors of a row each thread holds (0 for ``"stream"``).
-    rows_per_block, block, grid: the launch geometry.
+    edges: rows may have a scalar head or tail (a row off x's vector grid, or a hidden
+      size that is not a multiple of vec); False compiles the kernel without them.
+    cluster: blocks per row (a thread-block cluster reducing through distributed shared
+      memory, sm_90); 1 otherwise.
+    rows_per_block, block, grid: the launch geometry (grid counts blocks; grid_dims()
+      lays them out).
     """
 
     variant: str
@@ -43,10 +51,20 @@ class LaunchPlan:
     rows_per_block: int
     block: int
     grid: int
+    edges: bool = True
+    cluster: int = 1
 
     def template_args(self):
-        """The kernel template's VEC, G and NV (after <T, W, FUSED>)."""
-        return self.vec, self.threads_per_row, self.vecs_per_thread
+        """The kernel template's arguments after <T, W, FUSED>: VEC, G, NV, EDGES (and C)."""
+        args = (self.vec, self.threads_per_row, self.vecs_per_thread, "true" if self.edges else "false")
+        return args + (self.cluster,) if self.cluster > 1 else args
+
+    def grid_dims(self):
+        """(x, y) grid extents: one row of blocks while it fits, else rows of 2**16 blocks
+        (a multiple of any cluster size; surplus blocks find no row and return)."""
+        if self.grid <= MAX_GRID_X:
+            return self.grid, 1
+        return GRID_ROW, _ceil_div(self.grid, GRID_ROW)
 
 
 def _pow2_ceil(n):
@@ -77,47 +95,73 @@ def vector_width_from_bits(itemsize, bits):
     return max(1, (bits & -bits) // itemsize)   # largest power of two dividing every difference
 
 
-def vecs_per_thread_target(rows, n_body, fused):
-    """How many vectors of a row one thread should hold (before rounding to the group)."""
-    if n_body <= 2 * WARP:
-        return 1                                   # warp groups (launch_plan): one vector each, up to 32
-    if rows <= FEW_ROWS:                           # latency: one vector each up to 512 threads
-        return 1 if n_body <= 512 else 2 if n_body <= 2048 else 4
-    if not fused and rows * n_body >= MANY_VECTORS and n_body >= 256:
-        return 4                                   # bandwidth: more bytes in flight per thread
-    return 2
+def max_cluster_for(cc_major):
+    """The largest cluster launch_plan may use on a device of this compute capability."""
+    return MAX_CLUSTER if cc_major >= 9 else 1
 
 
-def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *,
-                threads_per_row=None, vecs_per_thread=None):
+def cluster_size(rows, n, sm_count, max_cluster):
+    """Blocks per row for few long rows: the largest power of two up to ``max_cluster``
+    that keeps the whole call in one block per SM and CLUSTER_MIN_VECTORS per block."""
+    if n <= ONE_BLOCK_VECTORS:
+        return 1
+    c = 1
+    while c * 2 <= max_cluster and rows * c * 2 <= sm_count and n >= c * 2 * CLUSTER_MIN_VECTORS:
+        c *= 2
+    return c
+
+
+def group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster=None):
+    """(threads per row group before the register limit, blocks per row) for n vectors a
+    row; ``cluster`` forces the blocks per row."""
+    if n <= 2 * WARP:              # short rows: groups of 8..32 threads, several rows per block
+        per_thread = 4 if n > WARP and not fused else 2
+        return min(max(_pow2_ceil(_ceil_div(n, per_thread)), 8), WARP), 1
+    if rows <= FEW_ROWS:           # latency: one vector per thread, a cluster per row when long
+        c = cluster or cluster_size(rows, n, sm_count, max_cluster)
+        cap = 512 if fused or c > 1 else MAX_BLOCK   # larger blocks measured slower there
+        return min(max(_pow2_ceil(_ceil_div(n, c)), 2 * WARP), cap), c
+    # bandwidth: 4 vectors per thread in flight for rms_norm rows past 256 vectors, else 2
+    per_thread = 4 if n > 256 and not fused else 2
+    return min(max(_pow2_ceil(_ceil_div(n, per_thread)), 2 * WARP), MAX_BLOCK), 1
+
+
+def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=True, max_cluster=1,
+                threads_per_row=None, vecs_per_thread=None, cluster=None):
     """Choose the variant and geometry for ``rows`` rows of ``hidden`` elements.
 
-    With n = hidden // vec vectors per row:
-    - n <= 64: a group of 8, 16 or 32 threads per row (one vector each, two past 32),
-      256-thread blocks holding several rows;
-    - otherwise a block per row, threads_per_row = n / vecs_per_thread_target(), 64 to 1024;
-    - rows longer than 1024 threads x 4 vectors (2 for the fused op, whose second array
-      needs the registers) are streamed.
-    The grid covers every row group, capped at BLOCKS_PER_SM_CAP blocks per SM (the kernel
-    loops over the rest). threads_per_row / vecs_per_thread force a choice (for sweeps;
-    vecs_per_thread=0 forces streaming).
+    With n = hidden // vec vectors per row (group_and_cluster):
+    - n <= 64: a group of 8, 16 or 32 threads per row holding 2 vectors each (4 for
+      rms_norm past 32 vectors), 256-thread blocks holding several rows;
+    - few rows (<= 256): a block per row, one vector per thread (up to 1024 threads, 512
+      for the fused op); rows past 512 vectors are split over a cluster of blocks
+      (cluster_size(); where the device has clusters, ``max_cluster`` > 1) of up to 512
+      threads each;
+    - many rows: a block per row of n / 4 threads (rms_norm, rows past 256 vectors) or
+      n / 2 (otherwise), 64 to 1024;
+    - then vectors per thread = what covers the row (or the block's share of it); rows
+      longer than 1024 threads x 4 vectors (2 for the fused op, whose second array needs
+      the registers) per block are streamed.
+    The grid has a block per row group (times the cluster). ``edges``: whether rows may
+    have a head or tail (see LaunchPlan). threads_per_row / vecs_per_thread / cluster force
+    a choice (for sweeps; vecs_per_thread=0 forces streaming).
     """
     if rows < 0 or hidden < 1 or vec < 1 or sm_count < 1:
         raise ValueError("launch_plan needs rows >= 0, hidden >= 1, vec >= 1, sm_count >= 1")
     n = max(hidden // vec, 1)           # vectors per row at most (head and tail aside)
     max_nv = MAX_VECS_PER_THREAD_FUSED if fused else MAX_VECS_PER_THREAD
-    if threads_per_row:
-        g = threads_per_row
-    elif n <= 2 * WARP:
-        g = min(max(_pow2_ceil(n), 8), WARP)
-    else:
-        g = min(max(_pow2_ceil(_ceil_div(n, vecs_per_thread_target(rows, n, fused))), 2 * WARP), MAX_BLOCK)
+    g, c = group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster)
+    g, c = threads_per_row or g, cluster or c
+    m = _ceil_div(n, c)                 # vectors per block
     if vecs_per_thread is not None:
         nv = vecs_per_thread
     else:
-        nv = _pow2_ceil(_ceil_div(n, g))
+        nv = _pow2_ceil(_ceil_div(m, g))
         if nv > max_nv:                 # too long for registers: a full block streams it
-            g, nv = MAX_BLOCK, (_pow2_ceil(_ceil_div(n, MAX_BLOCK)) if n <= MAX_BLOCK * max_nv else 0)
+            g, nv = MAX_BLOCK, (_pow2_ceil(_ceil_div(m, MAX_BLOCK)) if m <= MAX_BLOCK * max_nv else 0)
     rows_per_block = WARP_VARIANT_BLOCK // g if g <= WARP else 1
-    grid = max(1, min(_ceil_div(rows, rows_per_block), sm_count * BLOCKS_PER_SM_CAP))
-    return LaunchPlan("registers" if nv else "stream", vec, g, nv, rows_per_block, g * rows_per_block, grid)
+    grid = max(1, _ceil_div(rows, rows_per_block)) * c
+    if grid > GRID_ROW * MAX_GRID_Y:
+        raise ValueError(f"x has too many rows for one launch ({rows})")
+    return LaunchPlan("registers" if nv else "stream", vec, g, nv, rows_per_block, g * rows_per_block, grid,
+                      bool(edges), c)

@@ -9,12 +9,16 @@
 // unfused rms_norm(x + residual); LLAMA mode rounds x * inv_rms to T before the
 // weight multiply (HF LlamaRMSNorm), otherwise there is one rounding at the end.
 //
-// Work split: a group of G threads owns one row (G <= 32: several rows per block,
-// reduced with warp shuffles; G > 32: one row per block, reduced through shared
-// memory). Each row is split into an unaligned head (< VEC elements, up to the
-// first 16-byte boundary of x's row), a body of VEC-wide vectors and a tail, so
-// every row gets 16-byte accesses whatever its offset, provided all arrays share
-// x's alignment pattern (the launcher checks that and lowers VEC otherwise).
+// Work split (cupy_rmsnorm/_plan.py decides): a group of G threads owns one row (G <= 32:
+// several rows per block, reduced with warp shuffles; G > 32: one row per block, reduced
+// through shared memory; rms_norm_cluster_kernel: one row per cluster of C blocks on C
+// SMs, the block sums added through distributed shared memory). One block per row group,
+// no grid-stride loop: a loop's live state cost registers, hence occupancy.
+// Each row is split into an unaligned head (< VEC elements, up to the first 16-byte
+// boundary of x's row), a body of VEC-wide vectors and a tail, so every row gets 16-byte
+// accesses whatever its offset, provided all arrays share x's alignment pattern (the
+// launcher checks that and lowers VEC otherwise); EDGES = false compiles the common case
+// (rows on the vector grid, hidden a multiple of VEC) without head and tail.
 // NV > 0 keeps the body in registers (each element read from DRAM once);
 // NV == 0 streams the row twice (pass 2 re-reads x, or residual_out, from L2).
 
@@ -119,153 +123,236 @@ __device__ __forceinline__ Pack<T, VEC> finish_vec(const Pack<T, VEC>& a, const 
     return scale_vec<T, W, VEC>(a, wv, inv_rms, flags);
 }
 
-template <typename T, typename W, bool FUSED, int VEC, int G, int NV>
-__global__ void __launch_bounds__(G > 256 ? G : 256, G > 256 ? 1024 / G : 3)
-rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
-    const long long rows = p.rows, n_inner = p.n_inner;
-    const int hidden = p.hidden;
-    const float eps = p.eps, w_offset = p.w_offset;
-    const int flags = p.flags;
+// The sum of `part` over the C blocks of this block's cluster, through distributed shared
+// memory; the same value, added in the same order, in every block. Every thread of the
+// cluster calls it once; the caller then calls cluster_done() before exiting, so no block
+// leaves while another may still read its shared memory.
+template <int C>
+__device__ __forceinline__ float cluster_sum(float part) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __shared__ float slot;
+    if (threadIdx.x == 0) slot = part;
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(&slot));
+    float total = 0.f;
+#pragma unroll
+    for (unsigned r = 0; r < C; ++r) {
+        unsigned remote;
+        float v;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+        total += v;
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    return total;
+#else
+    __trap();   // clusters need sm_90; the launcher never plans them below
+    return part;
+#endif
+}
+
+__device__ __forceinline__ void cluster_done() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// Programmatic dependent launch (sm_90): when the launcher allows this kernel to start
+// before the previous kernel in the stream has finished, its blocks get resident and do
+// their set-up, then wait here until that kernel's writes are visible. Without the
+// launch attribute (or before sm_90) it costs nothing.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// One row (or, with C > 1, the share of one row of block `rank` of its cluster).
+// EDGES: a row may start off x's 16-byte grid or end in a partial vector (head and tail);
+// without it every row is whole vectors, a compile-time fact that saves registers.
+template <typename T, typename W, bool FUSED, int VEC, int G, int NV, bool EDGES, int C>
+__device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_out, const W* w,
+                                         const Params& p, long long block_id, int rank) {
     using VecT = Pack<T, VEC>;
     constexpr int WARPS = G > 32 ? G / 32 : 1;
-    __shared__ float warp_sums[2][WARPS];
-
     static_assert(G >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
+    static_assert(C == 1 || G > 32, "clusters split rows of a block each");
+    __shared__ float warp_sums[WARPS];
+
+    const int hidden = p.hidden, flags = p.flags;
+    const float w_offset = p.w_offset;
     const int tid = threadIdx.x % G;             // lane within the row group
-    const int group = threadIdx.x / G;
-    const long long rows_per_block = blockDim.x / G;
-    int parity = 0;
+    const long long row = block_id * (blockDim.x / G) + threadIdx.x / G;
+    const bool active = row < p.rows;            // false only in the last block of small groups
+    const long long r = active ? row : 0;
+    long long outer = r, inner = 0;
+    if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+    const T* xr = x + outer * p.x_so + inner * p.x_si;
+    const T* rr = FUSED ? res + outer * p.r_so + inner * p.r_si : nullptr;
+    T* yr = y + outer * p.y_so + inner * p.y_si;
+    T* ror = FUSED ? res_out + outer * p.ro_so + inner * p.ro_si : nullptr;
 
-    for (long long base = blockIdx.x * rows_per_block; base < rows;
-         base += (long long)gridDim.x * rows_per_block, parity ^= 1) {
-        const long long row = base + group;
-        const bool active = row < rows;          // only false for G <= 32 (several rows per block)
-        const long long r = active ? row : 0;
-        long long outer = r, inner = 0;
-        if (n_inner != 1) { outer = r / n_inner; inner = r - outer * n_inner; }
-        const T* xr = x + outer * p.x_so + inner * p.x_si;
-        const T* rr = FUSED ? res + outer * p.r_so + inner * p.r_si : nullptr;
-        T* yr = y + outer * p.y_so + inner * p.y_si;
-        T* ror = FUSED ? res_out + outer * p.ro_so + inner * p.ro_si : nullptr;
-
-        // Head: elements before x's row reaches a 16-byte boundary (all arrays share
-        // that alignment pattern, the launcher made sure); tail: what is left after the
-        // last whole vector. Both are shorter than VEC <= G, so a thread holds at most
-        // one element of each, in a register.
+    // Head: elements before x's row reaches a 16-byte boundary (all arrays share that
+    // alignment pattern, the launcher made sure); tail: what is left after the last whole
+    // vector. Both are shorter than VEC <= G, so a thread holds at most one element of
+    // each, in a register; with a cluster, block 0 takes them.
+    int head = 0, n_body = hidden / VEC, tail_start = hidden;
+    if (EDGES) {
         const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
-        const int head = min((VEC - mis) & (VEC - 1), hidden);
-        const int n_body = (hidden - head) / VEC;
-        const int tail_start = head + n_body * VEC;
-        const bool has_head = active && tid < head;
-        const bool has_tail = active && tid < hidden - tail_start;
-        const bool w_vec = (flags & kHasWeight) &&
-            ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
+        head = min((VEC - mis) & (VEC - 1), hidden);
+        n_body = (hidden - head) / VEC;
+        tail_start = head + n_body * VEC;
+    }
+    const bool has_head = EDGES && active && rank == 0 && tid < head;
+    const bool has_tail = EDGES && active && rank == 0 && tid < hidden - tail_start;
+    const bool w_vec = (flags & kHasWeight) &&
+        ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
+    const int first = rank * G + tid;            // this thread's first body vector
+    constexpr int STEP = G * C;                  // and the stride between its vectors
 
-        float ss = 0.f, head_v = 0.f, tail_v = 0.f, head_w = 1.f, tail_w = 1.f;
-        VecT keep[NV > 0 ? NV : 1];              // the row's body, kept for the second pass
-        // Short rows: the weights are fetched with the row, not after the reduction, so
-        // their latency is off the critical path (only where registers allow).
-        constexpr bool PREFETCH_W = NV == 1;
-        Pack<W, VEC> wk[PREFETCH_W ? NV : 1];
-        const bool prefetch_w = PREFETCH_W && w_vec;
-        const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
-        const VecT* rv = reinterpret_cast<const VecT*>(rr + head);
-        VecT* rov = reinterpret_cast<VecT*>(ror + head);
-        if (active) {
-            if (NV > 0) {
-                VecT other[FUSED && NV > 0 ? NV : 1];
+    float ss = 0.f, head_v = 0.f, tail_v = 0.f, head_w = 1.f, tail_w = 1.f;
+    VecT keep[NV > 0 ? NV : 1];                  // the row's body, kept for the second pass
+    // Short rows: the weights are fetched with the row, not after the reduction, so their
+    // latency is off the critical path (only where registers allow).
+    constexpr bool PREFETCH_W = NV == 1;
+    Pack<W, VEC> wk[PREFETCH_W ? NV : 1];
+    const bool prefetch_w = PREFETCH_W && w_vec;
+    const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
+    const VecT* rv = reinterpret_cast<const VecT*>(rr + head);
+    VecT* rov = reinterpret_cast<VecT*>(ror + head);
+
+    wait_for_previous_kernel();                  // no global memory access before this
+    allow_next_kernel();
+    if (active) {
+        if (NV > 0) {
+            VecT other[FUSED && NV > 0 ? NV : 1];
 #pragma unroll
-                for (int i = 0; i < NV; ++i) {  // issue every body load before the first use
-                    const int v = tid + i * G;
-                    if (v < n_body) { keep[i] = xv[v]; if (FUSED) other[i] = rv[v]; }
-                }
-                if (prefetch_w) {
-#pragma unroll
-                    for (int i = 0; i < NV; ++i) {
-                        const int v = tid + i * G;
-                        if (v < n_body) wk[i] = reinterpret_cast<const Pack<W, VEC>*>(w + head)[v];
-                    }
-                }
-                // head and tail loads go out while the body loads are in flight
-                if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
-                if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
+            for (int i = 0; i < NV; ++i) {      // issue every body load before the first use
+                const int v = first + i * STEP;
+                if (v < n_body) { keep[i] = xv[v]; if (FUSED) other[i] = rv[v]; }
+            }
+            if (prefetch_w) {
 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
-                    const int v = tid + i * G;
-                    if (v < n_body) {
-                        if (FUSED) {
-#pragma unroll
-                            for (int e = 0; e < VEC; ++e)
-                                keep[i].v[e] = from_float<T>(to_float(keep[i].v[e]) + to_float(other[FUSED ? i : 0].v[e]));
-                            rov[v] = keep[i];
-                        }
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e) { float f = to_float(keep[i].v[e]); ss += f * f; }
-                    }
-                }
-            } else {
-                if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
-                if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
-#pragma unroll 4
-                for (int v = tid; v < n_body; v += G) {
-                    VecT a = xv[v];
-                    if (FUSED) {
-                        VecT b = rv[v];
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e)
-                            a.v[e] = from_float<T>(to_float(a.v[e]) + to_float(b.v[e]));
-                        rov[v] = a;
-                    }
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) { float f = to_float(a.v[e]); ss += f * f; }
+                    const int v = first + i * STEP;
+                    if (v < n_body) wk[i] = reinterpret_cast<const Pack<W, VEC>*>(w + head)[v];
                 }
             }
+            // head and tail loads go out while the body loads are in flight
+            if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
+            if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int v = first + i * STEP;
+                if (v < n_body) {
+                    if (FUSED) {
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e)
+                            keep[i].v[e] = from_float<T>(to_float(keep[i].v[e]) + to_float(other[FUSED ? i : 0].v[e]));
+                        rov[v] = keep[i];
+                    }
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) { float f = to_float(keep[i].v[e]); ss += f * f; }
+                }
+            }
+        } else {
+            if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
+            if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
+#pragma unroll 4
+            for (int v = first; v < n_body; v += STEP) {
+                VecT a = xv[v];
+                if (FUSED) {
+                    VecT b = rv[v];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        a.v[e] = from_float<T>(to_float(a.v[e]) + to_float(b.v[e]));
+                    rov[v] = a;
+                }
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) { float f = to_float(a.v[e]); ss += f * f; }
+            }
+        }
+        if (EDGES) {
             ss += head_v * head_v + tail_v * tail_v;
             if (has_head) head_w = weight_at(w, tid, w_offset, flags);
             if (has_tail) tail_w = weight_at(w, tail_start + tid, w_offset, flags);
         }
+    }
 
-        ss = group_sum<G>(ss);
-        if (G > 32) {
-            // Two buffers by iteration parity: the next row's writes cannot race this row's reads.
-            const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-            if (lane == 0) warp_sums[parity][warp] = ss;
-            __syncthreads();
-            ss = lane < WARPS ? warp_sums[parity][lane] : 0.f;
-            ss = group_sum<32>(ss);
-        }
-        if (!active) continue;
-        const float inv_rms = rsqrtf(ss / (float)hidden + eps);
+    ss = group_sum<G>(ss);
+    if (G > 32) {                                // one row per block: add up the warps
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        if (lane == 0) warp_sums[warp] = ss;
+        __syncthreads();
+        ss = lane < WARPS ? warp_sums[lane] : 0.f;
+        ss = group_sum<32>(ss);
+    }
+    if (C > 1) ss = cluster_sum<C>(ss);          // and the blocks of the cluster
+    if (!active) return;                         // (never with C > 1: a cluster shares one row)
+    const float inv_rms = rsqrtf(ss / (float)hidden + p.eps);
 
-        if (has_head) yr[tid] = normalize<T, W>(head_v, inv_rms, head_w, flags);
-        if (has_tail) yr[tail_start + tid] = normalize<T, W>(tail_v, inv_rms, tail_w, flags);
-        // The body comes from registers, or (streaming) is re-read: from residual_out
-        // when FUSED, where this same thread wrote the rounded sum.
-        const T* src = FUSED ? ror : xr;
-        VecT* yv = reinterpret_cast<VecT*>(yr + head);
-        const VecT* sv = reinterpret_cast<const VecT*>(src + head);
-        const W* wb = w + head;
-        if (NV > 0) {
+    if (has_head) yr[tid] = normalize<T, W>(head_v, inv_rms, head_w, flags);
+    if (has_tail) yr[tail_start + tid] = normalize<T, W>(tail_v, inv_rms, tail_w, flags);
+    // The body comes from registers, or (streaming) is re-read: from residual_out when
+    // FUSED, where this same thread wrote the rounded sum.
+    const T* src = FUSED ? ror : xr;
+    VecT* yv = reinterpret_cast<VecT*>(yr + head);
+    const VecT* sv = reinterpret_cast<const VecT*>(src + head);
+    const W* wb = w + head;
+    if (NV > 0) {
 #pragma unroll
-            for (int i = 0; i < NV; ++i) {
-                const int v = tid + i * G;
-                if (v >= n_body) continue;
-                if (prefetch_w) {
-                    float wv[VEC];
-                    weights_of<W, VEC>(wk[PREFETCH_W ? i : 0], w_offset, wv);
-                    yv[v] = scale_vec<T, W, VEC>(keep[i], wv, inv_rms, flags);
-                } else {
-                    yv[v] = finish_vec<T, W, VEC>(keep[i], wb, v, w_vec, inv_rms, w_offset, flags);
-                }
+        for (int i = 0; i < NV; ++i) {
+            const int v = first + i * STEP;
+            if (v >= n_body) continue;
+            if (prefetch_w) {
+                float wv[VEC];
+                weights_of<W, VEC>(wk[PREFETCH_W ? i : 0], w_offset, wv);
+                yv[v] = scale_vec<T, W, VEC>(keep[i], wv, inv_rms, flags);
+            } else {
+                yv[v] = finish_vec<T, W, VEC>(keep[i], wb, v, w_vec, inv_rms, w_offset, flags);
             }
-        } else {
+        }
+    } else {
 #pragma unroll 4
-            for (int v = tid; v < n_body; v += G) {
-                const VecT a = sv[v];               // one 16-byte load, not one per element
-                yv[v] = finish_vec<T, W, VEC>(a, wb, v, w_vec, inv_rms, w_offset, flags);
-            }
+        for (int v = first; v < n_body; v += STEP) {
+            const VecT a = sv[v];                // one 16-byte load, not one per element
+            yv[v] = finish_vec<T, W, VEC>(a, wb, v, w_vec, inv_rms, w_offset, flags);
         }
     }
+}
+
+// The grid has one block per group of rows_per_block rows (blockDim.x / G), in x then y
+// (the launcher splits counts past 2^31 - 1 blocks).
+__device__ __forceinline__ long long linear_block() {
+    return (long long)blockIdx.y * gridDim.x + blockIdx.x;
+}
+
+template <typename T, typename W, bool FUSED, int VEC, int G, int NV, bool EDGES>
+__global__ void __launch_bounds__(G > 256 ? G : 256, G > 256 ? 1024 / G : 3)
+rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
+    norm_row<T, W, FUSED, VEC, G, NV, EDGES, 1>(x, res, y, res_out, w, p, linear_block(), 0);
+}
+
+// A row split over a cluster of C blocks (few long rows: more SMs per row). The grid's
+// x extent is a multiple of C, so a cluster's blocks are C consecutive linear blocks.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define RMSNORM_CLUSTER_DIMS(c)
+#else
+#define RMSNORM_CLUSTER_DIMS(c) __cluster_dims__(c, 1, 1)
+#endif
+
+template <typename T, typename W, bool FUSED, int VEC, int G, int NV, bool EDGES, int C>
+__global__ void RMSNORM_CLUSTER_DIMS(C) __launch_bounds__(G, 1)
+rms_norm_cluster_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
+    const long long b = linear_block();
+    norm_row<T, W, FUSED, VEC, G, NV, EDGES, C>(x, res, y, res_out, w, p, b / C, (int)(b % C));
+    cluster_done();
 }
 
 }  // namespace rmsnorm

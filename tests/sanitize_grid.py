@@ -3,12 +3,13 @@
     PYTHONPATH=$PWD python3 tests/sanitize_grid.py [--quick]
 
 Covers every launch shape of cupy_rmsnorm.launch_plan (a warp group per row, a block per
-row with the row in registers, a streamed block per row), every dtype, both ops, both
-casting modes, weights of x's dtype / float32 / none (with weight_offset 0 and 1), rows
-starting at odd element offsets (in place, and out of place into a contiguous output:
-vector width 1), strided rows, a two-level (tokens, heads, head_dim) view, and the
-kernel's grid-stride row loop (plans made as for a GPU of one SM, whose grid holds 32
-blocks). Row counts stay small so racecheck finishes; --quick keeps fewer layouts.
+row with the row in registers, a streamed block per row, a cluster of blocks per row),
+every dtype, both ops, both casting modes, weights of x's dtype / float32 / none (with
+weight_offset 0 and 1), rows starting at odd element offsets (in place, and out of place
+into a contiguous output: vector width 1), strided rows, a two-level (tokens, heads,
+head_dim) view, and grids split into rows of blocks with surplus blocks (the split made
+to happen at 8 blocks instead of 2**31). Row counts stay small so racecheck finishes;
+--quick keeps fewer layouts.
 
 Every array is its own cudaMalloc (CuPy's memory pool is switched off) and every view
 ends where its allocation ends (and the unshifted ones start where it starts), so
@@ -40,20 +41,21 @@ WEIGHTS = ((None, 0.0), ("same", 0.0), ("float32", 1.0), ("same", 1.0), ("float3
 HIDDEN = (1, 7, 1000, 4095, 33001)   # warp groups; block per row (both widths); streamed
 LAYOUTS = ("contiguous", "inplace", "offset_inplace", "offset_out", "strided", "heads")
 QUICK_LAYOUTS = ("contiguous", "offset_inplace", "heads")
-LOOP_HIDDEN = (7, 1000, 33001)
+SPLIT_HIDDEN = (7, 1000, 33001)
 ROWS = 5
+SPLIT_ROWS = 37           # 37 rows of 33001: a cluster of 2 per row
 # two ulps of the dtype: the kernel and the NumPy reference both compute in float32,
 # summing in different orders, and llama mode rounds twice
 RTOL = {"float32": 1e-5, "float16": 2 * 2.0 ** -10, "bfloat16": 2 * 2.0 ** -7}
 ATOL = {"float32": 1e-6, "float16": 2.0 ** -22, "bfloat16": 1e-6}
 
 seen = set()          # (launch shape, vector width) of every kernel launch planned
-one_sm = False        # the loop pass plans as for a GPU of one SM
+SHAPES = {"warp", "block", "stream", "cluster"}
 
 
-def _recording_plan(rows, hidden, itemsize, vec, sm_count, *args, **kwargs):
-    plan = _plan.launch_plan(rows, hidden, itemsize, vec, 1 if one_sm else sm_count, *args, **kwargs)
-    shape = "stream" if plan.vecs_per_thread == 0 else \
+def _recording_plan(*args, **kwargs):
+    plan = _plan.launch_plan(*args, **kwargs)
+    shape = "cluster" if plan.cluster > 1 else "stream" if plan.vecs_per_thread == 0 else \
         "warp" if plan.threads_per_row <= _plan.WARP else "block"
     seen.add((shape, plan.vec))
     return plan
@@ -135,7 +137,6 @@ def run(rng, op, dtype_name, hidden, layout, rows, mode, wkind, woff):
 
 
 def main():
-    global one_sm
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer layouts (for racecheck)")
     args = parser.parse_args()
@@ -148,19 +149,16 @@ def main():
         calls += 1
         wrong += not run(rng, op, dtype_name, hidden, layout, ROWS, MODES[i % 2], wkind, woff)
 
-    # the grid-stride loop: more rows than a one-SM grid holds (32 blocks)
-    one_sm = True
+    # grids split into rows of 8 blocks, the last row with surplus blocks (or clusters)
+    grid_limits = _plan.MAX_GRID_X, _plan.GRID_ROW
+    _plan.MAX_GRID_X, _plan.GRID_ROW = 7, 8
     _api._launchers.clear()            # launchers made above keep their plans
     for i, (dtype_name, op, hidden, layout) in enumerate(
-            itertools.product(DTYPES, OPS, LOOP_HIDDEN, ("contiguous", "offset_inplace"))):
-        itemsize = DTYPES[dtype_name].itemsize
-        per_block = _plan.launch_plan(10 ** 6, hidden, itemsize, 16 // itemsize, 1,
-                                      op == "fused_add_rms_norm").rows_per_block
-        rows = 2 * _plan.BLOCKS_PER_SM_CAP * per_block + 3
+            itertools.product(DTYPES, OPS, SPLIT_HIDDEN, ("contiguous", "offset_inplace"))):
         wkind, woff = WEIGHTS[i % len(WEIGHTS)]
         calls += 1
-        wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
-    one_sm = False
+        wrong += not run(rng, op, dtype_name, hidden, layout, SPLIT_ROWS, MODES[i % 2], wkind, woff)
+    _plan.MAX_GRID_X, _plan.GRID_ROW = grid_limits
     _api._launchers.clear()
     cp.cuda.Device().synchronize()
 
@@ -170,7 +168,7 @@ def main():
           f"vector widths {widths}", flush=True)
     if wrong:
         return 3
-    if set(shapes) != {"warp", "block", "stream"}:
+    if set(shapes) != SHAPES:
         print("sanitize_grid: the grid missed a launch shape", flush=True)
         return 4
     return 0

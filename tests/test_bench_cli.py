@@ -106,8 +106,10 @@ def test_logical_bytes():
 def test_plan_for_is_the_library_plan():
     import cupy_rmsnorm as rn
     assert shapes.plan_for("rms", 4096, 4095, 2, 132) == rn.launch_plan(4096, 4095, 2, 8, 132)
-    assert shapes.plan_for("rms", 1, 4096, 4, 132) == rn.launch_plan(1, 4096, 4, 4, 132)
-    assert shapes.plan_for("fused", 4096, 4096, 2, 132) == rn.launch_plan(4096, 4096, 2, 8, 132, True)
+    assert shapes.plan_for("rms", 1, 4096, 4, 132) == rn.launch_plan(1, 4096, 4, 4, 132, edges=False)
+    assert shapes.plan_for("fused", 1, 32768, 2, 132, 8) == \
+        rn.launch_plan(1, 32768, 2, 8, 132, True, edges=False, max_cluster=8)
+    assert shapes.plan_for("fused", 4096, 4096, 2, 132) == rn.launch_plan(4096, 4096, 2, 8, 132, True, edges=False)
     assert shapes.plan_for("fused", 4096, 4096, 2, 132) != shapes.plan_for("rms", 4096, 4096, 2, 132)
 
 
@@ -137,7 +139,8 @@ def test_make_record_flattens_a_dataclass_plan():
 
 def test_plan_text():
     assert report.plan_text(PLAN) == "block g256 nv2 v8 b256 grid4096"
-    assert report.plan_text(dict(PLAN, cluster=4)).endswith("cluster=4")
+    assert report.plan_text(dict(PLAN, cluster=4, edges=True)) == "block g256 nv2 v8 c4 b256 grid4096 +edges"
+    assert report.plan_text(dict(PLAN, extra=3)).endswith("extra=3")
     assert report.plan_text(None) == "-"
 
 
@@ -408,7 +411,7 @@ def fake_build(name, case, compile_mode="tokens"):
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(timing, "gpu_missing", lambda: None)
     monkeypatch.setattr(timing, "device_info", lambda: {"device_id": 0, "gpu": "Fake GPU", "sm_count": 132,
-                                                        "compute_capability": "9.0"})
+                                                        "compute_capability": "9.0", "max_cluster": 8})
     monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda: (4000.0, [3990.0, 4000.0]))
     monkeypatch.setattr(timing, "CupyRunner", lambda: "cupy-runner")
     monkeypatch.setattr(timing, "Scratch", lambda: "scratch")
@@ -452,9 +455,9 @@ def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
     import dataclasses
 
     import cupy_rmsnorm as rn
-    for r in results:    # every row carries our plan for its shape (132 SMs, 16-byte vectors)
-        assert r["plan"] == dataclasses.asdict(rn.launch_plan(r["tokens"], r["hidden"], 2, 8, 132,
-                                                              r["op"] == "fused"))
+    for r in results:    # every row carries our plan for its shape (132 SMs, 16-byte vectors, clusters)
+        assert r["plan"] == dataclasses.asdict(rn.launch_plan(
+            r["tokens"], r["hidden"], 2, 8, 132, r["op"] == "fused", edges=r["hidden"] % 8 != 0, max_cluster=8))
     assert {e["where"] for e in payload["errors"] if not e.get("skipped")} == \
         {"rms bfloat16 4096x255 cupy", "fused bfloat16 4096x255 cupy"}
     ours = next(r for r in results if r["impl"] == "ours" and r["tokens"] == 4096 and r["hidden"] == 4096

@@ -35,9 +35,10 @@ VECTOR_COUNTS = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 
                  2048, 2049, 4096, 4097, 100_000)
 HIDDEN_SIZES = sorted({n * v for n in VECTOR_COUNTS for v in (1, 2, 4, 8)}
                       | {1, 7, 255, 1000, 4095, 4096, 5120, 8192, 16384, 65536, 262144})
-# Row counts in each of the heuristic's regimes: few rows (<= 256), many rows with
-# rows x vectors below 2**20, and above it.
-ROWS = (1, 257, 10 ** 6)
+# Row counts in each of the heuristic's regimes: few rows (clusters of 8, 4, 2 blocks per
+# row on 132 SMs, then one block per row up to 256 rows) and many rows.
+ROWS = (1, 30, 60, 100, 257, 10 ** 6)
+MAX_CLUSTER = 8
 SMS = 132
 # C++ type -> its Itanium mangling (float is a builtin; the others are class names)
 MANGLED = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}
@@ -70,8 +71,10 @@ def _plans(dtype, fused):
     for vec in VECS[dtype]:
         for h in HIDDEN_SIZES:
             for rows in ROWS:
-                p = launch_plan(rows, h, ITEMSIZE[dtype], vec, SMS, fused)
-                plans.setdefault(p.template_args(), p)
+                for edges in ((True, False) if h % vec == 0 else (True,)):
+                    p = launch_plan(rows, h, ITEMSIZE[dtype], vec, SMS, fused, edges=edges,
+                                    max_cluster=MAX_CLUSTER)
+                    plans.setdefault(p.template_args(), p)
     return plans
 
 
@@ -92,7 +95,8 @@ def _mangled_prefix(dtype, weight, fused, plan):
     kernel = name_expression(dtype, weight, fused, plan).split("<")[0].split("::")[-1]
     t, w = CUDA_TYPES[dtype], CUDA_TYPES[weight or dtype]
     w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"   # S1_: substitution, W == T
-    ints = "".join(f"Li{a}E" for a in plan.template_args())
+    ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E"
+                   for a in plan.template_args())
     return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}EE".encode()
 
 
@@ -165,7 +169,7 @@ def _heaviest_per_variant(dtype):
     for fused in (False, True):
         best = {}
         for plan in _plans(dtype, fused).values():
-            key = (plan.vecs_per_thread, plan.threads_per_row, plan.vec)
+            key = (plan.vecs_per_thread, plan.threads_per_row, plan.vec, plan.edges, plan.cluster)
             if plan.variant not in best or key > best[plan.variant][0]:
                 best[plan.variant] = (key, plan)
         pairs |= {(name_expression(dtype, "float32", fused, p), _mangled_prefix(dtype, "float32", fused, p))
@@ -186,17 +190,20 @@ def test_heaviest_instantiations_compile_with_library_options(arch):
 
 
 def test_enumeration_is_complete():
-    """Scanning every vector count up to past the stream boundary, at row counts around
-    each threshold of the heuristic, finds no plan that HIDDEN_SIZES x ROWS misses."""
+    """Scanning every vector count up to past the stream boundary (then powers of two and
+    one past them, for the cluster sizes), at row counts around each threshold of the
+    heuristic, finds no plan that HIDDEN_SIZES x ROWS misses."""
     for dtype in ("float32", "float16"):          # bfloat16 plans are float16's (same itemsize)
         for fused in (False, True):
             scanned, variants = set(), set()
             for vec in VECS[dtype]:
-                for n in range(1, 4200):
-                    for rows in (0, 256, 257, 4096, 10 ** 8):
-                        p = launch_plan(rows, n * vec, ITEMSIZE[dtype], vec, SMS, fused)
-                        scanned.add(p.template_args())
-                        variants.add(p.variant)
+                for n in list(range(1, 4200)) + [m for k in range(12, 18) for m in (2 ** k, 2 ** k + 1)]:
+                    for rows in (0, 1, 16, 17, 33, 34, 66, 67, 256, 257, 4096, 10 ** 8):
+                        for edges in (True, False):
+                            p = launch_plan(rows, n * vec, ITEMSIZE[dtype], vec, SMS, fused, edges=edges,
+                                            max_cluster=MAX_CLUSTER)
+                            scanned.add(p.template_args())
+                            variants.add(p.variant)
             assert scanned == set(_plans(dtype, fused)), (dtype, fused)
             assert variants == {"registers", "stream"}
             assert {a[0] for a in scanned} == set(VECS[dtype])

@@ -446,36 +446,37 @@ def test_one_dimensional_input(op, dtype_name):
 
 @pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
 @pytest.mark.parametrize("op", OPS)
-def test_grid_stride_loop(monkeypatch, op, dtype_name):
-    """More rows than the grid holds, so each block loops over rows (and the block-per-row
-    plans alternate their shared-memory buffers): plans are made as for a GPU of one SM,
-    whose grid is capped at BLOCKS_PER_SM_CAP blocks. Reaches into the launcher
-    (_launcher.launch_plan, _api._launchers): update here if those move."""
+def test_split_grid(monkeypatch, op, dtype_name):
+    """Grids past 2**31 - 1 blocks are laid out as rows of 2**16 blocks, the last row with
+    surplus blocks that must find no row (and, for clusters, surplus clusters). The split
+    is made to happen at 8 blocks here (_plan.MAX_GRID_X, _plan.GRID_ROW), for warp-group,
+    block, streamed and cluster plans. Reaches into the launcher (_launcher.launch_plan,
+    _api._launchers): update here if those move."""
     dtype = DTYPES[dtype_name]
-    fused = op == FUSED
     plans = []
 
-    def one_sm_plan(rows, hidden, itemsize, vec, sm_count, *args, **kwargs):
-        plan = _plan.launch_plan(rows, hidden, itemsize, vec, 1, *args, **kwargs)
-        plans.append((rows, plan))
+    def recording_plan(*args, **kwargs):
+        plan = _plan.launch_plan(*args, **kwargs)
+        plans.append(plan)
         return plan
 
-    monkeypatch.setattr(_launcher, "launch_plan", one_sm_plan)
+    monkeypatch.setattr(_plan, "MAX_GRID_X", 7)
+    monkeypatch.setattr(_plan, "GRID_ROW", 8)
+    monkeypatch.setattr(_launcher, "launch_plan", recording_plan)
     monkeypatch.setattr(_api, "_launchers", {})     # fresh launchers, so they plan again
-    rs = cp.random.RandomState(_seed("loop", op, dtype_name))
-    for hidden in (7, 256, 4096, 65536):
-        per_block = _plan.launch_plan(10 ** 6, hidden, dtype.itemsize, 16 // dtype.itemsize, 1,
-                                      fused).rows_per_block
-        rows = 2 * _plan.BLOCKS_PER_SM_CAP * per_block + 3
+    rs = cp.random.RandomState(_seed("split", op, dtype_name))
+    clusters = 0
+    for rows, hidden in ((300, 7), (100, 256), (21, 4096), (5, 65536), (37, 16384), (3, 262144)):
         x = G.from_float32(normal(rs, (rows, hidden), 3.0), dtype)
         res = G.from_float32(normal(rs, (rows, hidden), 3.0), dtype)
         for wkind, mode in (("same", "fp32"), ("float32", "llama")):
             w = random_weight(rs, wkind, 0.0, hidden, dtype)
             plans.clear()
             msg, _ = _check_call(op, x, res, w, dtype_name, mode)
-            assert msg is None, f"hidden={hidden} {mode}: {msg}"
-            assert plans and all(p.grid * p.rows_per_block < r for r, p in plans), \
-                f"hidden={hidden}: the plan did not loop: {plans}"
+            assert msg is None, f"{rows}x{hidden} {mode}: {msg}"
+            assert plans and all(p.grid_dims()[1] > 1 for p in plans), f"{rows}x{hidden}: not split: {plans}"
+            clusters += any(p.cluster > 1 for p in plans)
+    assert clusters, "no cluster plan was split"
 
 
 # -- more than 2**31 elements -----------------------------------------------------------------

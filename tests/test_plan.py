@@ -14,68 +14,81 @@ from cupy_rmsnorm._plan import vector_width
 H200_SMS = 132
 A100_SMS = 108
 
-# (rows, hidden, itemsize, vec, sm_count, fused) -> (variant, threads_per_row, vecs_per_thread,
-# rows_per_block, block, grid), worked out by hand from launch_plan's docstring and
-# vecs_per_thread_target. With n = hidden // vec vectors per row:
-# - n <= 64: G = next power of two of n within [8, 32], 256-thread blocks of 256 / G rows;
-# - else G = next power of two of n / target within [64, 1024], one row per block, where
-#   target = 1 / 2 / 4 for n <= 512 / 2048 / more when rows <= 256; 4 for rms_norm with
-#   rows * n >= 2**20 and n >= 256; 2 otherwise;
-# - vectors per thread = next power of two of n / G; past 4 (2 fused) G becomes 1024, and
-#   past 1024 x 4 (x 2 fused) vectors the row streams (no vectors kept);
-# - grid ceil(rows / rows_per_block), at least 1, at most 32 blocks per SM.
+# (rows, hidden, itemsize, vec, sm_count, fused, max_cluster) -> (variant, threads_per_row,
+# vecs_per_thread, rows_per_block, block, grid, cluster), worked out by hand from
+# launch_plan's docstring. With n = hidden // vec vectors per row:
+# - n <= 64: G = next power of two of n / t within [8, 32], t = 4 for rms_norm past 32
+#   vectors, else 2; 256-thread blocks of 256 / G rows;
+# - rows <= 256: cluster C = 1 for n <= 512, else the largest power of two <= max_cluster
+#   with rows x C <= sm_count and n / C >= 128; G = next power of two of n / C within
+#   [64, 1024], at most 512 when fused or C > 1;
+# - more rows: G = next power of two of n / t within [64, 1024], t = 4 for rms_norm past
+#   256 vectors, else 2;
+# - vectors per thread = next power of two of (n / C) / G; past 4 (2 fused) G becomes 1024,
+#   and past 1024 x 4 (x 2 fused) vectors per block the row streams (no vectors kept);
+# - grid = max(1, ceil(rows / rows_per_block)) x C blocks.
 PLAN_TABLE = [
     # n <= 64: groups of 8..32 threads share 256-thread blocks
-    ((3, 1, 4, 1, H200_SMS, False), ("registers", 8, 1, 32, 256, 1)),
-    ((5, 7, 2, 1, H200_SMS, False), ("registers", 8, 1, 32, 256, 1)),
-    ((100, 64, 4, 4, H200_SMS, False), ("registers", 16, 1, 16, 256, 7)),
-    ((257, 256, 2, 8, H200_SMS, False), ("registers", 32, 1, 8, 256, 33)),
-    ((257, 255, 2, 8, H200_SMS, True), ("registers", 32, 1, 8, 256, 33)),
-    ((4096, 512, 2, 8, H200_SMS, False), ("registers", 32, 2, 8, 256, 512)),         # n = 64
-    ((100_000, 128, 2, 8, H200_SMS, False), ("registers", 16, 1, 16, 256, 4224)),    # grid capped
-    ((1_000_000, 128, 2, 8, A100_SMS, True), ("registers", 16, 1, 16, 256, 3456)),   # 32 x 108
-    # few rows (<= 256): spread the row, 1 / 2 / 4 vectors per thread
-    ((7, 100, 2, 1, H200_SMS, False), ("registers", 128, 1, 1, 128, 7)),
-    ((3, 1000, 4, 4, H200_SMS, False), ("registers", 256, 1, 1, 256, 3)),
-    ((1, 4096, 2, 8, H200_SMS, False), ("registers", 512, 1, 1, 512, 1)),
-    ((0, 4096, 2, 8, H200_SMS, False), ("registers", 512, 1, 1, 512, 1)),            # zero rows: valid plan
-    ((1, 8192, 2, 8, H200_SMS, False), ("registers", 512, 2, 1, 512, 1)),
-    ((64, 16384, 2, 8, H200_SMS, True), ("registers", 1024, 2, 1, 1024, 64)),        # n = 2048
-    ((64, 32768, 2, 8, H200_SMS, False), ("registers", 1024, 4, 1, 1024, 64)),       # n = 4096
-    ((3, 8193, 2, 2, H200_SMS, False), ("registers", 1024, 4, 1, 1024, 3)),          # n = 4096
-    # many rows: 2 vectors per thread, 4 for rms_norm once rows x n >= 2**20 and n >= 256
-    ((300, 4096, 2, 8, H200_SMS, False), ("registers", 256, 2, 1, 256, 300)),
-    ((1000, 4096, 2, 8, H200_SMS, False), ("registers", 256, 2, 1, 256, 1000)),
-    ((1000, 4096, 2, 8, 1, False), ("registers", 256, 2, 1, 256, 32)),
-    ((4096, 4096, 2, 8, H200_SMS, False), ("registers", 128, 4, 1, 128, 4096)),
-    ((4096, 4096, 2, 8, H200_SMS, True), ("registers", 256, 2, 1, 256, 4096)),
-    ((5000, 4096, 2, 8, H200_SMS, False), ("registers", 128, 4, 1, 128, 4224)),
-    ((4096, 4096, 2, 2, H200_SMS, False), ("registers", 512, 4, 1, 512, 4096)),      # vec 2
-    ((4096, 4096, 2, 1, H200_SMS, False), ("registers", 1024, 4, 1, 1024, 4096)),    # scalar
-    ((4096, 1024, 2, 8, H200_SMS, False), ("registers", 64, 2, 1, 64, 4096)),        # rows x n < 2**20
-    ((4096, 520, 2, 8, H200_SMS, False), ("registers", 64, 2, 1, 64, 4096)),         # n = 65
-    ((8192, 2048, 2, 8, H200_SMS, False), ("registers", 64, 4, 1, 64, 4224)),        # n = 256
-    ((8192, 2040, 2, 8, H200_SMS, False), ("registers", 128, 2, 1, 128, 4224)),      # n = 255
-    # too long for registers: a 1024-thread block streams the row
-    ((4096, 4096, 2, 1, H200_SMS, True), ("stream", 1024, 0, 1, 1024, 4096)),        # fused, n = 4096
-    ((64, 32768, 2, 8, H200_SMS, True), ("stream", 1024, 0, 1, 1024, 64)),
-    ((64, 32776, 2, 8, H200_SMS, False), ("stream", 1024, 0, 1, 1024, 64)),          # n = 4097
-    ((9000, 262144, 4, 4, H200_SMS, True), ("stream", 1024, 0, 1, 1024, 4224)),
-    ((3, 8196, 2, 2, H200_SMS, False), ("stream", 1024, 0, 1, 1024, 3)),             # n = 4098
+    ((3, 1, 4, 1, H200_SMS, False, 1), ("registers", 8, 1, 32, 256, 1, 1)),
+    ((5, 7, 2, 1, H200_SMS, False, 1), ("registers", 8, 1, 32, 256, 1, 1)),
+    ((100, 64, 4, 4, H200_SMS, False, 1), ("registers", 8, 2, 32, 256, 4, 1)),
+    ((257, 256, 2, 8, H200_SMS, False, 1), ("registers", 16, 2, 16, 256, 17, 1)),       # n = 32
+    ((257, 255, 2, 8, H200_SMS, True, 8), ("registers", 16, 2, 16, 256, 17, 1)),
+    ((4096, 512, 2, 8, H200_SMS, False, 1), ("registers", 16, 4, 16, 256, 256, 1)),     # n = 64: 4 each
+    ((4096, 512, 2, 8, H200_SMS, True, 1), ("registers", 32, 2, 8, 256, 512, 1)),       # fused: 2 each
+    ((100_000, 128, 2, 8, H200_SMS, False, 1), ("registers", 8, 2, 32, 256, 3125, 1)),
+    ((1_000_000, 128, 2, 8, A100_SMS, True, 1), ("registers", 8, 2, 32, 256, 31250, 1)),
+    # few rows (<= 256): one vector per thread, clusters for rows past 512 vectors
+    ((7, 100, 2, 1, H200_SMS, False, 1), ("registers", 128, 1, 1, 128, 7, 1)),
+    ((3, 1000, 4, 4, H200_SMS, False, 1), ("registers", 256, 1, 1, 256, 3, 1)),
+    ((1, 4096, 2, 8, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 1, 1)),        # n = 512: no cluster
+    ((0, 4096, 2, 8, H200_SMS, False, 1), ("registers", 512, 1, 1, 512, 1, 1)),        # zero rows: valid plan
+    ((1, 8192, 2, 8, H200_SMS, False, 1), ("registers", 1024, 1, 1, 1024, 1, 1)),      # no clusters (sm_80)
+    ((1, 8192, 2, 8, H200_SMS, False, 8), ("registers", 128, 1, 1, 128, 8, 8)),
+    ((1, 4104, 2, 8, H200_SMS, False, 8), ("registers", 256, 1, 1, 256, 4, 4)),        # n = 513
+    ((30, 16384, 2, 8, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 120, 4)),    # 30 x 8 > 132
+    ((67, 8192, 2, 8, H200_SMS, False, 8), ("registers", 1024, 1, 1, 1024, 67, 1)),    # 67 x 2 > 132
+    ((64, 16384, 2, 8, H200_SMS, True, 1), ("registers", 1024, 2, 1, 1024, 64, 1)),    # 512 x 4 > 2 each
+    ((64, 16384, 2, 8, H200_SMS, True, 8), ("registers", 512, 2, 1, 512, 128, 2)),
+    ((64, 32768, 2, 8, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 64, 1)),   # n = 4096
+    ((3, 8193, 2, 2, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 3, 1)),      # n = 4096
+    ((3, 8193, 2, 2, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 24, 8)),
+    # many rows: n / 4 threads for rms_norm past 256 vectors, n / 2 otherwise
+    ((300, 4096, 2, 8, H200_SMS, False, 8), ("registers", 128, 4, 1, 128, 300, 1)),
+    ((1000, 4096, 2, 8, 1, False, 1), ("registers", 128, 4, 1, 128, 1000, 1)),
+    ((4096, 4096, 2, 8, H200_SMS, False, 8), ("registers", 128, 4, 1, 128, 4096, 1)),
+    ((4096, 4096, 2, 8, H200_SMS, True, 8), ("registers", 256, 2, 1, 256, 4096, 1)),
+    ((5000, 4096, 2, 8, H200_SMS, False, 1), ("registers", 128, 4, 1, 128, 5000, 1)),
+    ((4096, 4096, 2, 2, H200_SMS, False, 1), ("registers", 512, 4, 1, 512, 4096, 1)),   # vec 2
+    ((4096, 4096, 2, 1, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 4096, 1)), # scalar
+    ((4096, 1024, 2, 8, H200_SMS, False, 1), ("registers", 64, 2, 1, 64, 4096, 1)),     # n = 128
+    ((4096, 520, 2, 8, H200_SMS, False, 1), ("registers", 64, 2, 1, 64, 4096, 1)),      # n = 65
+    ((8192, 2048, 2, 8, H200_SMS, False, 1), ("registers", 128, 2, 1, 128, 8192, 1)),   # n = 256
+    ((8192, 2040, 2, 8, H200_SMS, False, 1), ("registers", 128, 2, 1, 128, 8192, 1)),   # n = 255
+    ((8192, 2056, 2, 8, H200_SMS, False, 1), ("registers", 128, 4, 1, 128, 8192, 1)),   # n = 257
+    # too long for registers: a 1024-thread block (per row, or per cluster share) streams it
+    ((4096, 4096, 2, 1, H200_SMS, True, 1), ("stream", 1024, 0, 1, 1024, 4096, 1)),     # fused, n = 4096
+    ((64, 32768, 2, 8, H200_SMS, True, 1), ("stream", 1024, 0, 1, 1024, 64, 1)),
+    ((64, 32776, 2, 8, H200_SMS, False, 1), ("stream", 1024, 0, 1, 1024, 64, 1)),       # n = 4097
+    ((9000, 262144, 4, 4, H200_SMS, True, 8), ("stream", 1024, 0, 1, 1024, 9000, 1)),
+    ((3, 8196, 2, 2, H200_SMS, False, 1), ("stream", 1024, 0, 1, 1024, 3, 1)),          # n = 4098
+    ((1, 262144, 2, 8, H200_SMS, True, 8), ("stream", 1024, 0, 1, 1024, 8, 8)),         # 4096 per block
 ]
 
 
 def _fields(plan):
     return (plan.variant, plan.threads_per_row, plan.vecs_per_thread, plan.rows_per_block,
-            plan.block, plan.grid)
+            plan.block, plan.grid, plan.cluster)
 
 
 @pytest.mark.parametrize("args, expected", PLAN_TABLE, ids=[str(a) for a, _ in PLAN_TABLE])
 def test_launch_plan_table(args, expected):
-    plan = rn.launch_plan(*args)
+    plan = rn.launch_plan(*args[:6], max_cluster=args[6])
     assert _fields(plan) == expected
-    assert plan.vec == args[3]
-    assert plan.template_args() == (args[3], expected[1], expected[2])
+    assert plan.vec == args[3] and plan.edges
+    assert plan.template_args() == (args[3], expected[1], expected[2], "true") + \
+        ((expected[6],) if expected[6] > 1 else ())
+    assert rn.launch_plan(*args[:6], max_cluster=args[6], edges=False).template_args()[3] == "false"
 
 
 def test_launch_plan_forced_choices():
@@ -86,6 +99,8 @@ def test_launch_plan_forced_choices():
     assert (p.threads_per_row, p.rows_per_block, p.block, p.grid) == (32, 8, 256, 512)
     p = rn.launch_plan(4096, 4096, 2, 8, H200_SMS, vecs_per_thread=0)
     assert p.variant == "stream" and p.vecs_per_thread == 0
+    p = rn.launch_plan(1, 32768, 2, 8, H200_SMS, cluster=2)
+    assert (p.cluster, p.threads_per_row, p.vecs_per_thread, p.grid) == (2, 512, 4, 2)
 
 
 def test_launch_plan_is_frozen():
@@ -116,16 +131,16 @@ def _sampled_hidden_sizes():
 def test_launch_plan_properties():
     sm_counts = (1, A100_SMS, H200_SMS)
     rows_options = (0, 1, 3, 256, 257, 4096, 10 ** 6)
-    grids = list(itertools.product(rows_options, sm_counts, (False, True)))
+    grids = list(itertools.product(rows_options, sm_counts, (False, True), (1, 8)))
     variants_seen = set()
     count = 0
     for hidden in _sampled_hidden_sizes():
         for itemsize, vec in ((2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)):
             n = hidden // vec
             count += 1   # rows, SM count and fused cycle with the hidden sizes
-            for rows, sms, fused in (grids[count % len(grids)], grids[(count * 7 + 3) % len(grids)]):
-                p = rn.launch_plan(rows, hidden, itemsize, vec, sms, fused)
-                ctx = (rows, hidden, itemsize, vec, sms, fused, p)
+            for rows, sms, fused, max_cluster in (grids[count % len(grids)], grids[(count * 7 + 3) % len(grids)]):
+                p = rn.launch_plan(rows, hidden, itemsize, vec, sms, fused, max_cluster=max_cluster)
+                ctx = (rows, hidden, itemsize, vec, sms, fused, max_cluster, p)
                 max_nv = 2 if fused else 4       # registers left for a second array when fused
                 variants_seen.add(p.variant)
                 assert p.vec == vec, ctx
@@ -139,18 +154,35 @@ def test_launch_plan_properties():
                     assert p.block == 256, ctx
                 else:                          # shared-memory reduction: one row per block
                     assert p.rows_per_block == 1, ctx
-                assert 1 <= p.grid <= 32 * sms, ctx
-                # every row is owned by some block (the kernel loops when the grid is capped)
-                assert p.grid * p.rows_per_block >= rows or p.grid == 32 * sms, ctx
+                c = p.cluster
+                assert c in (1, 2, 4, 8) and c <= max_cluster, ctx
+                if c > 1:                      # few long rows, all in one wave
+                    assert p.threads_per_row > 32 and rows * c <= sms, ctx
+                # a block (a cluster) per row group, every row owned
+                assert p.grid == max(1, -(-rows // p.rows_per_block)) * c, ctx
+                assert p.grid_dims() == (p.grid, 1), ctx
+                m = -(-max(n, 1) // c)         # vectors per block
                 if p.variant == "stream":
                     assert p.vecs_per_thread == 0 and p.threads_per_row == 1024, ctx
                 else:
                     assert p.variant == "registers", ctx
                     assert 1 <= p.vecs_per_thread <= max_nv, ctx
-                    assert p.threads_per_row * p.vecs_per_thread >= max(n, 1), ctx
-                # streaming exactly when the row cannot fit 1024 threads' registers
-                assert (p.variant == "stream") == (n > 1024 * max_nv), ctx
+                    assert p.threads_per_row * p.vecs_per_thread >= m, ctx
+                # streaming exactly when a block's share cannot fit 1024 threads' registers
+                assert (p.variant == "stream") == (m > 1024 * max_nv), ctx
     assert variants_seen == {"registers", "stream"}
+
+
+def test_grid_dims_split_huge_grids():
+    """Past 2**31 - 1 blocks the grid gets rows of 2**16 blocks (a multiple of every cluster
+    size); past what that holds, launch_plan refuses."""
+    small = rn.launch_plan(10, 4096, 2, 8, H200_SMS)
+    assert small.grid_dims() == (10, 1)
+    huge = rn.launch_plan(2 ** 31 + 5, 4096, 2, 8, H200_SMS)
+    assert huge.grid == 2 ** 31 + 5
+    assert huge.grid_dims() == (2 ** 16, 2 ** 15 + 1)
+    with pytest.raises(ValueError, match="too many rows"):
+        rn.launch_plan(2 ** 16 * 65535 + 1, 4096, 2, 8, H200_SMS)
 
 
 def test_launch_plan_is_monotone_in_hidden():

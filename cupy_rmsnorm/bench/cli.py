@@ -182,8 +182,9 @@ class Sweep:
     run), warm-up and compile seconds per implementation to ``warmup_s``.
     """
 
-    def __init__(self, args, sm_count, copy_gbps, impls, bar, log):
+    def __init__(self, args, sm_count, max_cluster, copy_gbps, impls, bar, log):
         self.args, self.sm_count, self.copy_gbps, self.impls = args, sm_count, copy_gbps, impls
+        self.max_cluster = max_cluster
         self.bar, self.log = bar, log
         self.records, self.errors, self.warmup_s = [], [], {}
 
@@ -216,7 +217,7 @@ class Sweep:
         args, bar = self.args, self.bar
         itemsize = shapes.ITEMSIZE[case.dtype]
         nbytes = shapes.logical_bytes(case.op, case.tokens, case.hidden, itemsize)
-        plan = shapes.plan_for(case.op, case.tokens, case.hidden, itemsize, self.sm_count)
+        plan = shapes.plan_for(case.op, case.tokens, case.hidden, itemsize, self.sm_count, self.max_cluster)
         runner = self.runners[peers.RUNNER_KIND[name]]
         where = f"{case.op} {case.dtype} {case.tokens}x{case.hidden} {name}"
         bar.update(f"{where} (warm-up)")
@@ -287,7 +288,7 @@ def run(args):
     log(f"sweep: {n_configs} cases x {len(impls)} implementations ({', '.join(impls)}) x "
         f"{len(args.modes)} modes")
     bar = progress.ProgressBar(n_configs * len(impls) * len(args.modes))
-    sweep = Sweep(args, info["sm_count"], copy_gbps, impls, bar, log)
+    sweep = Sweep(args, info["sm_count"], info["max_cluster"], copy_gbps, impls, bar, log)
     interrupted = False
     try:
         sweep.run()

@@ -16,7 +16,7 @@ from .shapes import MODE_TITLES, MODES, OP_TITLES, OPS
 FIELDS = ("op", "dtype", "tokens", "hidden", "impl", "mode", "us", "GBps", "pct_copy", "bytes",
           "calls", "repeats", "max_abs_err")
 PLAN_TEXT_KEYS = (("variant", ""), ("threads_per_row", "g"), ("vecs_per_thread", "nv"),
-                  ("vec", "v"), ("block", "b"), ("grid", "grid"))
+                  ("vec", "v"), ("cluster", "c"), ("block", "b"), ("grid", "grid"))
 
 
 def make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, copy_gbps, calls, repeats,
@@ -49,11 +49,14 @@ def fmt_pct(v):
 
 
 def plan_text(plan):
-    """A launch plan in a few characters: ``block g256 nv2 v8 b256 grid4096``."""
+    """A launch plan in a few characters: ``registers g256 nv2 v8 c1 b256 grid4096``
+    (``+edges`` when rows may have a scalar head or tail)."""
     if not plan:
         return "-"
     parts = [f"{prefix}{plan[key]}" for key, prefix in PLAN_TEXT_KEYS if key in plan]
-    known = {key for key, _ in PLAN_TEXT_KEYS} | {"rows_per_block"}
+    if plan.get("edges"):
+        parts.append("+edges")
+    known = {key for key, _ in PLAN_TEXT_KEYS} | {"rows_per_block", "edges"}
     parts += [f"{k}={v}" for k, v in plan.items() if k not in known]
     return " ".join(parts)
 

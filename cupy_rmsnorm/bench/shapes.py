@@ -76,8 +76,10 @@ def logical_bytes(op, tokens, hidden, itemsize, weight_itemsize=None):
     return arrays * per_array + hidden * (weight_itemsize or itemsize)
 
 
-def plan_for(op, tokens, hidden, itemsize, sm_count):
+def plan_for(op, tokens, hidden, itemsize, sm_count, max_cluster=1):
     """Our launch plan for a contiguous problem (16-byte vectors, as the pool's
-    aligned allocations allow)."""
+    aligned allocations allow; rows off the vector grid when hidden is not a multiple)."""
     import cupy_rmsnorm as rn
-    return rn.launch_plan(tokens, hidden, itemsize, 16 // itemsize, sm_count, op == "fused")
+    vec = 16 // itemsize
+    return rn.launch_plan(tokens, hidden, itemsize, vec, sm_count, op == "fused",
+                          edges=hidden % vec != 0, max_cluster=max_cluster)
