@@ -466,7 +466,7 @@ def test_split_grid(monkeypatch, op, dtype_name):
     monkeypatch.setattr(_api, "_launchers", {})     # fresh launchers, so they plan again
     rs = cp.random.RandomState(_seed("split", op, dtype_name))
     clusters = 0
-    for rows, hidden in ((300, 7), (100, 256), (21, 4096), (5, 65536), (37, 16384), (3, 262144)):
+    for rows, hidden in ((300, 7), (200, 256), (21, 4096), (5, 65536), (37, 16384), (3, 262144)):
         x = G.from_float32(normal(rs, (rows, hidden), 3.0), dtype)
         res = G.from_float32(normal(rs, (rows, hidden), 3.0), dtype)
         for wkind, mode in (("same", "fp32"), ("float32", "llama")):
