@@ -23,11 +23,11 @@ import numpy as np
 
 from . import _driver
 from ._kernels import kernels, name_expression
-from ._plan import launch_plan, max_cluster_for, vector_width_from_bits
+from ._plan import early_trigger, launch_plan, max_cluster_for, vector_width_from_bits
 
 X, RES, W, OUT, RO = range(5)            # positions in the arrays list
 NAMES = ("x", "residual", "weight", "out", "residual_out")
-LLAMA, HAS_WEIGHT = 1, 2                 # kernels/rms_norm.cu: enum Flags
+LLAMA, HAS_WEIGHT, EARLY_TRIGGER = 1, 2, 4   # kernels/rms_norm.cu: enum Flags
 
 # kernels/rms_norm.cu: struct Params (eight-byte fields first, so no padding).
 PARAMS_DTYPE = np.dtype([
@@ -89,7 +89,9 @@ class Launcher:
         for k in (X,) + self.others:
             p[_STRIDE_FIELDS[k] + "_so"], p[_STRIDE_FIELDS[k] + "_si"] = row_strides[k]
         p["eps"], p["w_offset"] = eps, weight_offset
-        p["flags"] = (LLAMA if llama else 0) | (HAS_WEIGHT if weight_dtype else 0)
+        self.flags = (LLAMA if llama else 0) | (HAS_WEIGHT if weight_dtype else 0)
+        p["flags"] = self.flags
+        self._flags = p["flags"]                     # a view: the trigger bit is set per plan
         # cuLaunchKernel's argument array: five pointer slots, then the Params struct
         self._slots = bytearray(8 * 5)               # written with struct.pack_into per call
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
@@ -97,7 +99,7 @@ class Launcher:
         self._argv_ptr = self._argv.ctypes.data
         self._config = _driver.LaunchConfig()
         self._by_vec = {}
-        self._by_low_bits = {}      # low 4 bits of x's address and differences -> (grid, block, kernel)
+        self._by_low_bits = {}      # low 4 bits of x's address and differences -> (grid, block, kernel, flags)
         self.other_slots = tuple((k, _SLOT[k]) for k in self.others)
         self.missing_slots = tuple((k, _SLOT[k]) for k in self.missing_outputs)
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
@@ -114,6 +116,13 @@ class Launcher:
                                edges=edges, max_cluster=max_cluster)
             entry = self._by_vec[(vec, edges)] = (plan, self.function(plan))
         return entry
+
+    def plan_flags(self, plan, fn):
+        """Params.flags for a plan: the Launcher's, plus when to allow the next kernel."""
+        from cupy_backends.cuda.api import driver
+        sms = device_limits(self.device)[0]
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
+        return self.flags | (EARLY_TRIGGER if early_trigger(plan.grid, sms, per_sm) else 0)
 
     def edges(self, vec, x_ptr):
         """False when every row of x starts on the vector grid and holds whole vectors."""
@@ -183,10 +192,12 @@ class Launcher:
             vec = vector_width_from_bits(itemsize, bits)
             plan, fn = self.plan_and_function(vec, self.edges(vec, px))
             _driver.pdl_enabled(self.device)
-            entry = self._by_low_bits[key] = (plan.grid_dims(), plan.block, fn.ptr)
-        grid, block, fn_ptr = entry
+            entry = self._by_low_bits[key] = (plan.grid_dims(), plan.block, fn.ptr, self.plan_flags(plan, fn))
+        grid, block, fn_ptr, flags = entry
         stream = self.kind.stream(self.device)
         with self._lock:
+            if self._flags[0] != flags:              # another plan than the last call's
+                self._flags[0] = flags
             _pack_pointers(self._slots, 0, *slots)
             _driver.launch(self.device, fn_ptr, grid, block, stream, self._argv_ptr, self._config)
         return result

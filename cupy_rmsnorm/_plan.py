@@ -114,7 +114,7 @@ def cluster_size(rows, n, sm_count, max_cluster):
 def group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster=None):
     """(threads per row group before the register limit, blocks per row) for n vectors a
     row; ``cluster`` forces the blocks per row."""
-    if n <= 2 * WARP:              # short rows: groups of 8..32 threads, several rows per block
+    if n <= (2 if fused else 4) * WARP:   # short rows: groups of 8..32 threads, rows share a block
         per_thread = 4 if n > WARP and not fused else 2
         return min(max(_pow2_ceil(_ceil_div(n, per_thread)), 8), WARP), 1
     if rows <= FEW_ROWS:           # latency: one vector per thread, a cluster per row when long
@@ -126,13 +126,22 @@ def group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster=None):
     return min(max(_pow2_ceil(_ceil_div(n, per_thread)), 2 * WARP), MAX_BLOCK), 1
 
 
+def early_trigger(grid, sm_count, blocks_per_sm):
+    """Whether the kernel lets the next kernel launch as soon as it starts (programmatic
+    dependent launch) rather than as each block finishes. Early overlaps the most, but when
+    this grid fills less than a wave yet more than one block per SM, the next kernel's
+    blocks would crowd onto the SMs that free up first (H200: up to 35% slower when the
+    kernel fits more blocks per SM than it needs; benchmarks/NOTES.md)."""
+    return grid <= sm_count or grid >= blocks_per_sm * sm_count
+
+
 def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=True, max_cluster=1,
                 threads_per_row=None, vecs_per_thread=None, cluster=None):
     """Choose the variant and geometry for ``rows`` rows of ``hidden`` elements.
 
     With n = hidden // vec vectors per row (group_and_cluster):
-    - n <= 64: a group of 8, 16 or 32 threads per row holding 2 vectors each (4 for
-      rms_norm past 32 vectors), 256-thread blocks holding several rows;
+    - n <= 64 (128 for rms_norm): a group of 8, 16 or 32 threads per row holding 2
+      vectors each (4 for rms_norm past 32 vectors), 256-thread blocks holding several rows;
     - few rows (<= 256): a block per row, one vector per thread (up to 1024 threads, 512
       for the fused op); rows past 512 vectors are split over a cluster of blocks
       (cluster_size(); where the device has clusters, ``max_cluster`` > 1) of up to 512

@@ -47,7 +47,7 @@ struct alignas(sizeof(T) * N) Pack {
     T v[N];
 };
 
-enum Flags { kLlama = 1, kHasWeight = 2 };
+enum Flags { kLlama = 1, kHasWeight = 2, kEarlyTrigger = 4 };
 
 // Everything but the pointers, passed by value as one argument (fewer kernel
 // arguments, less host work per launch). Row r of an array starts at
@@ -167,6 +167,10 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
+// Let the next kernel in the stream launch (its blocks become resident and wait in
+// wait_for_previous_kernel). kEarlyTrigger: right after this kernel's own wait; otherwise
+// when this block is done. Early is best when the next grid cannot crowd the SMs that free
+// up first (the launcher decides, _plan.early_trigger).
 __device__ __forceinline__ void allow_next_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
@@ -228,7 +232,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     VecT* rov = reinterpret_cast<VecT*>(ror + head);
 
     wait_for_previous_kernel();                  // no global memory access before this
-    allow_next_kernel();
+    if (flags & kEarlyTrigger) allow_next_kernel();
     if (active) {
         if (NV > 0) {
             VecT other[FUSED && NV > 0 ? NV : 1];
@@ -337,6 +341,7 @@ template <typename T, typename W, bool FUSED, int VEC, int G, int NV, bool EDGES
 __global__ void __launch_bounds__(G > 256 ? G : 256, G > 256 ? 1024 / G : 3)
 rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
     norm_row<T, W, FUSED, VEC, G, NV, EDGES, 1>(x, res, y, res_out, w, p, linear_block(), 0);
+    if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
 }
 
 // A row split over a cluster of C blocks (few long rows: more SMs per row). The grid's
@@ -352,6 +357,7 @@ __global__ void RMSNORM_CLUSTER_DIMS(C) __launch_bounds__(G, 1)
 rms_norm_cluster_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
     const long long b = linear_block();
     norm_row<T, W, FUSED, VEC, G, NV, EDGES, C>(x, res, y, res_out, w, p, b / C, (int)(b % C));
+    if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
     cluster_done();
 }
 

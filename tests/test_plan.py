@@ -17,8 +17,8 @@ A100_SMS = 108
 # (rows, hidden, itemsize, vec, sm_count, fused, max_cluster) -> (variant, threads_per_row,
 # vecs_per_thread, rows_per_block, block, grid, cluster), worked out by hand from
 # launch_plan's docstring. With n = hidden // vec vectors per row:
-# - n <= 64: G = next power of two of n / t within [8, 32], t = 4 for rms_norm past 32
-#   vectors, else 2; 256-thread blocks of 256 / G rows;
+# - n <= 64 (128 for rms_norm): G = next power of two of n / t within [8, 32], t = 4 for
+#   rms_norm past 32 vectors, else 2; 256-thread blocks of 256 / G rows;
 # - rows <= 256: cluster C = 1 for n <= 512, else the largest power of two <= max_cluster
 #   with rows x C <= sm_count and n / C >= 128; G = next power of two of n / C within
 #   [64, 1024], at most 512 when fused or C > 1;
@@ -39,7 +39,8 @@ PLAN_TABLE = [
     ((100_000, 128, 2, 8, H200_SMS, False, 1), ("registers", 8, 2, 32, 256, 3125, 1)),
     ((1_000_000, 128, 2, 8, A100_SMS, True, 1), ("registers", 8, 2, 32, 256, 31250, 1)),
     # few rows (<= 256): one vector per thread, clusters for rows past 512 vectors
-    ((7, 100, 2, 1, H200_SMS, False, 1), ("registers", 128, 1, 1, 128, 7, 1)),
+    ((7, 100, 2, 1, H200_SMS, False, 1), ("registers", 32, 4, 8, 256, 1, 1)),         # rms: n <= 128
+    ((7, 100, 2, 1, H200_SMS, True, 1), ("registers", 128, 1, 1, 128, 7, 1)),
     ((3, 1000, 4, 4, H200_SMS, False, 1), ("registers", 256, 1, 1, 256, 3, 1)),
     ((1, 4096, 2, 8, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 1, 1)),        # n = 512: no cluster
     ((0, 4096, 2, 8, H200_SMS, False, 1), ("registers", 512, 1, 1, 512, 1, 1)),        # zero rows: valid plan
@@ -61,8 +62,11 @@ PLAN_TABLE = [
     ((5000, 4096, 2, 8, H200_SMS, False, 1), ("registers", 128, 4, 1, 128, 5000, 1)),
     ((4096, 4096, 2, 2, H200_SMS, False, 1), ("registers", 512, 4, 1, 512, 4096, 1)),   # vec 2
     ((4096, 4096, 2, 1, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 4096, 1)), # scalar
-    ((4096, 1024, 2, 8, H200_SMS, False, 1), ("registers", 64, 2, 1, 64, 4096, 1)),     # n = 128
-    ((4096, 520, 2, 8, H200_SMS, False, 1), ("registers", 64, 2, 1, 64, 4096, 1)),      # n = 65
+    ((4096, 1024, 2, 8, H200_SMS, False, 1), ("registers", 32, 4, 8, 256, 512, 1)),     # n = 128: group
+    ((4096, 1032, 2, 8, H200_SMS, False, 1), ("registers", 128, 2, 1, 128, 4096, 1)),   # n = 129
+    ((4096, 1024, 2, 8, H200_SMS, True, 1), ("registers", 64, 2, 1, 64, 4096, 1)),
+    ((4096, 520, 2, 8, H200_SMS, False, 1), ("registers", 32, 4, 8, 256, 512, 1)),      # n = 65
+    ((4096, 520, 2, 8, H200_SMS, True, 1), ("registers", 64, 2, 1, 64, 4096, 1)),
     ((8192, 2048, 2, 8, H200_SMS, False, 1), ("registers", 128, 2, 1, 128, 8192, 1)),   # n = 256
     ((8192, 2040, 2, 8, H200_SMS, False, 1), ("registers", 128, 2, 1, 128, 8192, 1)),   # n = 255
     ((8192, 2056, 2, 8, H200_SMS, False, 1), ("registers", 128, 4, 1, 128, 8192, 1)),   # n = 257
@@ -171,6 +175,14 @@ def test_launch_plan_properties():
                 # streaming exactly when a block's share cannot fit 1024 threads' registers
                 assert (p.variant == "stream") == (m > 1024 * max_nv), ctx
     assert variants_seen == {"registers", "stream"}
+
+
+def test_early_trigger():
+    """Early unless the grid is more than one block per SM and less than a full wave."""
+    from cupy_rmsnorm._plan import early_trigger
+    assert early_trigger(1, 132, 8) and early_trigger(132, 132, 8)         # <= one block per SM
+    assert not early_trigger(133, 132, 8) and not early_trigger(1055, 132, 8)
+    assert early_trigger(1056, 132, 8) and early_trigger(16384, 132, 9)    # a wave or more
 
 
 def test_grid_dims_split_huge_grids():
