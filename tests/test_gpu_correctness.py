@@ -479,6 +479,34 @@ def test_split_grid(monkeypatch, op, dtype_name):
     assert clusters, "no cluster plan was split"
 
 
+def test_first_call_of_a_signature_in_a_fresh_thread():
+    """A thread that has never touched CUDA makes the first call of a signature with its
+    output given (so no allocation binds a context first): the plan, the occupancy query
+    and the launch must still find the device's context."""
+    import threading
+    rs = cp.random.RandomState(_seed("thread"))
+    x = G.from_float32(normal(rs, (64, 4096), 3.0), DTYPES["bfloat16"])
+    w = random_weight(rs, "same", 0.0, 4096, DTYPES["bfloat16"])
+    out = _poisoned_like(x)
+    rn.rms_norm(x, w, out=out)                     # compiled and cached here
+    cp.cuda.Device().synchronize()
+    _api._launchers.clear()                        # the thread's call plans anew
+    errors = []
+
+    def call():
+        try:
+            rn.rms_norm(x, w, out=out)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join()
+    assert not errors, errors
+    cp.cuda.Device().synchronize()
+    assert G.compare(out, G.reference(x, w, EPS, 0.0, "fp32"), "bfloat16", "fp32") is None
+
+
 # -- more than 2**31 elements -----------------------------------------------------------------
 
 def _fill_random(a, rs, scale=2.0, chunk_rows=8192):
