@@ -68,7 +68,7 @@ class LaunchConfig:
         _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], 1, block, 1, 1, 0, stream, self._attribute_ptr, 1)
 
 
-def _ensure_context(device):
+def ensure_context(device):
     """A thread that has not touched CUDA yet gets the device's primary context."""
     from cupy_backends.cuda.api import driver
     if driver.ctxGetCurrent() != 0:
@@ -84,7 +84,7 @@ def launch(device, fn_ptr, grid, block, stream, argv_ptr, config):
     if _pdl_devices.get(device):
         config.set(grid, block, stream)
         err = _launch_ex(config.ptr, fn_ptr, argv_ptr, None)
-        if err == _CUDA_ERROR_INVALID_CONTEXT and _ensure_context(device):
+        if err == _CUDA_ERROR_INVALID_CONTEXT and ensure_context(device):
             err = _launch_ex(config.ptr, fn_ptr, argv_ptr, None)
         if err == 0:
             return
@@ -102,6 +102,6 @@ def _launch_plain(device, fn_ptr, grid, block, stream, argv_ptr):
     try:
         _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, 0, stream, argv_ptr, 0)
     except Exception:
-        if not _ensure_context(device):
+        if not ensure_context(device):
             raise
         _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, 0, stream, argv_ptr, 0)

@@ -121,8 +121,8 @@ class Launcher:
         """Params.flags for a plan: the Launcher's, plus when to allow the next kernel."""
         from cupy_backends.cuda.api import driver
         sms = device_limits(self.device)[0]
-        with self._device_context(self.device):   # a driver call: a thread may have no context yet
-            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
+        _driver.ensure_context(self.device)        # a driver call: this thread may have none yet
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
         return self.flags | (EARLY_TRIGGER if early_trigger(plan.grid, sms, per_sm) else 0)
 
     def edges(self, vec, x_ptr):
