@@ -157,6 +157,8 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
     """
     if rows < 0 or hidden < 1 or vec < 1 or sm_count < 1:
         raise ValueError("launch_plan needs rows >= 0, hidden >= 1, vec >= 1, sm_count >= 1")
+    if not edges and hidden % vec:
+        raise ValueError("edges=False needs hidden to be a multiple of vec (rows of whole vectors)")
     n = max(hidden // vec, 1)           # vectors per row at most (head and tail aside)
     max_nv = MAX_VECS_PER_THREAD_FUSED if fused else MAX_VECS_PER_THREAD
     g, c = group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster)
@@ -168,6 +170,8 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
         nv = _pow2_ceil(_ceil_div(m, g))
         if nv > max_nv:                 # too long for registers: a full block streams it
             g, nv = MAX_BLOCK, (_pow2_ceil(_ceil_div(m, MAX_BLOCK)) if m <= MAX_BLOCK * max_nv else 0)
+    if c > 1 and g <= WARP:
+        raise ValueError("a cluster per row needs more than 32 threads per row")
     rows_per_block = WARP_VARIANT_BLOCK // g if g <= WARP else 1
     grid = max(1, _ceil_div(rows, rows_per_block)) * c
     if grid > GRID_ROW * MAX_GRID_Y:
