@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _api, _driver, _launcher
+from cupy_rmsnorm import _driver, _launcher
 from cupy_rmsnorm._plan import launch_plan as heuristic
 
 SHAPES = [(1, 4096), (32, 4096), (256, 4096), (1024, 4096), (4096, 4096), (16384, 4096),
@@ -53,12 +53,11 @@ def graph_us(fn, calls=100, repeats=7):
 PDL = {}   # device 0: whether the driver launches with PDL at all (found in main)
 
 
-def force(pdl=True, **overrides):
-    """Make the launcher use launch_plan with these keyword overrides (None: the heuristic),
-    and programmatic dependent launch or not."""
-    _launcher.launch_plan = lambda *a, **k: heuristic(*a, **{**k, **overrides})
-    _api._launchers.clear()
-    _driver._pdl_devices[0] = pdl and PDL[0]
+def forced(pdl=True, **overrides):
+    """A context in which the launcher plans with these launch_plan keyword overrides
+    (none: the heuristic) and launches with programmatic dependent launch or not."""
+    _driver.device(0).pdl = pdl and PDL[0]
+    return _launcher.forced_plan(**overrides)
 
 
 def candidates(rows, hidden, fused, sm, max_cluster):
@@ -100,9 +99,9 @@ def main():
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,1x8192")
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    sm, max_cluster = props["multiProcessorCount"], _launcher.device_limits(0)[1]
-    PDL[0] = _driver.pdl_enabled(0)
+    dev = _driver.device(0)
+    sm, max_cluster = dev.sm_count, dev.max_cluster
+    PDL[0] = dev.pdl
     print(f"programmatic dependent launch: {PDL[0]}; largest cluster {max_cluster}", flush=True)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     big = cp.empty(1 << 30, dtype=cp.uint8)
@@ -130,7 +129,6 @@ def main():
             results = []
             want = None       # the heuristic's output: every other plan must agree with it
             for name, ov in candidates(rows, hidden, fused, sm, max_cluster):
-                force(**ov)
                 if fused:
                     fn = lambda: rn.fused_add_rms_norm(x, r, w, out=y, residual_out=ro)  # noqa: E731
                 else:
@@ -138,7 +136,8 @@ def main():
                 plan = heuristic(rows, hidden, 2, 8, sm, fused, edges=hidden % 8 != 0, max_cluster=max_cluster,
                                  **{k: v for k, v in ov.items() if k != "pdl"})
                 try:
-                    us = graph_us(fn)
+                    with forced(**ov):
+                        us = graph_us(fn)
                 except Exception as e:  # noqa: BLE001 - report the config and go on
                     print(f"  {name} {plan}: {type(e).__name__}: {e}", flush=True)
                     continue
@@ -157,7 +156,7 @@ def main():
                 if writer:
                     writer.writerow(row)
                     sink.flush()
-            force()
+            _driver.device(0).pdl = PDL[0]
             h = results[0][0]
             best = min(results)
             print(f"{'fused' if fused else 'rms':5s} {rows:6d}x{hidden:<6d} heuristic {h:8.2f} us "

@@ -1,4 +1,5 @@
-"""The kernel launch: CUDA driver calls, with programmatic dependent launch where it helps.
+"""The kernel launch: CUDA driver calls, with programmatic dependent launch where it helps,
+and the one record of what the library needs to know about a device.
 
 On sm_90 and later a kernel may be launched with the *programmatic stream serialization*
 attribute (``cuLaunchKernelEx``): it then starts while the previous kernel in the stream
@@ -13,8 +14,12 @@ without ``cuLaunchKernelEx``, or a driver that refuses the attribute get the pla
 import ctypes
 import os
 import struct
+import threading
 import warnings
 
+from ._plan import max_cluster_for
+
+PDL_MIN_MAJOR = 9      # programmatic dependent launch: sm_90 and later
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _CUDA_ERROR_INVALID_CONTEXT = 201
 # CUlaunchConfig: grid x/y/z, block x/y/z, shared memory bytes, (pad), stream, attrs, numAttrs
@@ -24,34 +29,62 @@ _ATTRIBUTE = struct.Struct("<I4xi60x")
 
 _plain = None          # cupy_backends' cuLaunchKernel
 _launch_ex = None      # ctypes cuLaunchKernelEx, or False when unusable
-_pdl_devices = {}      # device -> whether to launch it with the attribute
+_devices = {}
+_devices_lock = threading.Lock()
+
+
+def pdl_wanted():
+    """False when the environment turns programmatic dependent launch off."""
+    return os.environ.get("CUPY_RMSNORM_PDL", "1") != "0"
+
+
+class Device:
+    """What the launch path needs of one CUDA device, read once (``device(index)``).
+
+    ``pdl``: launches use programmatic dependent launch (sm_90+, the driver has
+    ``cuLaunchKernelEx``, not turned off); set to False for good if the driver refuses.
+    """
+    __slots__ = ("index", "sm_count", "compute_capability", "max_cluster", "pdl")
+
+    def __init__(self, index, sm_count, compute_capability, pdl):
+        self.index, self.sm_count, self.compute_capability = index, sm_count, compute_capability
+        self.max_cluster = max_cluster_for(compute_capability[0])
+        self.pdl = bool(pdl) and compute_capability[0] >= PDL_MIN_MAJOR
+
+    def __repr__(self):
+        return (f"Device({self.index}, sm_count={self.sm_count}, compute_capability="
+                f"{self.compute_capability}, max_cluster={self.max_cluster}, pdl={self.pdl})")
+
+
+def device(index):
+    """The cached ``Device`` record of a CUDA device index."""
+    d = _devices.get(index)
+    if d is None:
+        with _devices_lock:
+            d = _devices.get(index)
+            if d is None:
+                from cupy.cuda import runtime
+                props = runtime.getDeviceProperties(index)
+                d = _devices[index] = Device(index, props["multiProcessorCount"],
+                                             (props["major"], props["minor"]),
+                                             pdl_wanted() and bool(_load_launch_ex()))
+    return d
 
 
 def _load_launch_ex():
     global _launch_ex
     if _launch_ex is None:
         _launch_ex = False
-        if os.environ.get("CUPY_RMSNORM_PDL", "1") != "0":
-            for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
-                try:
-                    fn = getattr(ctypes.CDLL(name), "cuLaunchKernelEx")
-                except (OSError, AttributeError):
-                    continue
-                fn.argtypes = [ctypes.c_void_p] * 4
-                fn.restype = ctypes.c_int
-                _launch_ex = fn
-                break
+        for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+            try:
+                fn = getattr(ctypes.CDLL(name), "cuLaunchKernelEx")
+            except (OSError, AttributeError):
+                continue
+            fn.argtypes = [ctypes.c_void_p] * 4
+            fn.restype = ctypes.c_int
+            _launch_ex = fn
+            break
     return _launch_ex
-
-
-def pdl_enabled(device):
-    """Whether launches on ``device`` use programmatic dependent launch (sm_90+, driver support)."""
-    on = _pdl_devices.get(device)
-    if on is None:
-        from cupy.cuda import runtime
-        on = _pdl_devices[device] = bool(_load_launch_ex()) and \
-            runtime.getDeviceProperties(device)["major"] >= 9
-    return on
 
 
 class LaunchConfig:
@@ -68,33 +101,34 @@ class LaunchConfig:
         _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], 1, block, 1, 1, 0, stream, self._attribute_ptr, 1)
 
 
-def ensure_context(device):
+def ensure_context(index):
     """A thread that has not touched CUDA yet gets the device's primary context."""
     from cupy_backends.cuda.api import driver
     if driver.ctxGetCurrent() != 0:
         return False
     from cupy.cuda import runtime
-    runtime.setDevice(device)
+    runtime.setDevice(index)
     return True
 
 
-def launch(device, fn_ptr, grid, block, stream, argv_ptr, config):
-    """Launch ``fn_ptr`` with (x, y) ``grid`` and ``block`` threads on ``stream``;
-    ``argv_ptr``: cuLaunchKernel's kernelParams array; ``config``: the caller's LaunchConfig."""
-    if _pdl_devices.get(device):
+def launch(dev, fn_ptr, grid, block, stream, argv_ptr, config):
+    """Launch ``fn_ptr`` on the ``Device`` ``dev`` with (x, y) ``grid`` and ``block``
+    threads on ``stream``; ``argv_ptr``: cuLaunchKernel's kernelParams array; ``config``:
+    the caller's LaunchConfig."""
+    if dev.pdl:
         config.set(grid, block, stream)
         err = _launch_ex(config.ptr, fn_ptr, argv_ptr, None)
-        if err == _CUDA_ERROR_INVALID_CONTEXT and ensure_context(device):
+        if err == _CUDA_ERROR_INVALID_CONTEXT and ensure_context(dev.index):
             err = _launch_ex(config.ptr, fn_ptr, argv_ptr, None)
         if err == 0:
             return
-        _pdl_devices[device] = False       # refused (an older driver, say): plain from now on
+        dev.pdl = False       # refused (an older driver, say): plain from now on
         warnings.warn(f"cupy_rmsnorm: cuLaunchKernelEx failed with CUDA error {err}; launching "
                       "without programmatic dependent launch from now on", RuntimeWarning, stacklevel=2)
-    _launch_plain(device, fn_ptr, grid, block, stream, argv_ptr)
+    _launch_plain(dev.index, fn_ptr, grid, block, stream, argv_ptr)
 
 
-def _launch_plain(device, fn_ptr, grid, block, stream, argv_ptr):
+def _launch_plain(index, fn_ptr, grid, block, stream, argv_ptr):
     global _plain
     if _plain is None:
         from cupy_backends.cuda.api import driver
@@ -102,6 +136,6 @@ def _launch_plain(device, fn_ptr, grid, block, stream, argv_ptr):
     try:
         _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, 0, stream, argv_ptr, 0)
     except Exception:
-        if not ensure_context(device):
+        if not ensure_context(index):
             raise
         _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, 0, stream, argv_ptr, 0)

@@ -10,8 +10,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-
 
 class Meta(NamedTuple):
     """What the validation and the launcher need of one array."""
@@ -34,18 +32,22 @@ def _elem_strides(strides_bytes, itemsize):
     return tuple(s // itemsize for s in strides_bytes)
 
 
-def is_torch_tensor(obj):
-    mod = type(obj).__module__
-    return mod.startswith("torch") and "torch" in sys.modules and isinstance(obj, sys.modules["torch"].Tensor)
-
-
 class NumpyKind:
+    """NumPy arrays: the reference runs on the CPU."""
     name = "numpy"
 
     @staticmethod
     def meta(a):
         return Meta(a.__array_interface__["data"][0], a.shape, _elem_strides(a.strides, a.itemsize),
                     _dtype_name(a.dtype), a.itemsize, -1)
+
+    @staticmethod
+    def requires_grad(a):
+        return False
+
+    @staticmethod
+    def contiguous(a):
+        return np.ascontiguousarray(a)
 
 
 class CupyKind:
@@ -61,6 +63,10 @@ class CupyKind:
     @staticmethod
     def ptr(a):
         return a.data.ptr
+
+    @staticmethod
+    def requires_grad(a):
+        return False
 
     @staticmethod
     def grad_enabled():
@@ -107,6 +113,10 @@ class TorchKind:
         return t.data_ptr()
 
     @staticmethod
+    def requires_grad(t):
+        return t.requires_grad
+
+    @staticmethod
     def grad_enabled():
         return sys.modules["torch"].is_grad_enabled()
 
@@ -128,8 +138,24 @@ def _cupy():
     return sys.modules["cupy"] if "cupy" in sys.modules else __import__("cupy")
 
 
+class DlpackKind:
+    """Any other CUDA array with ``__dlpack__``: the call runs on zero-copy CuPy views of
+    them (on CuPy's current stream) and returns CuPy arrays."""
+    name = "DLPack"
+
+    @staticmethod
+    def to_cupy(obj, arg):
+        """A CuPy view of a foreign CUDA array (zero copy)."""
+        dev_type, _ = obj.__dlpack_device__()
+        if int(dev_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            raise ValueError(f"{arg} lives on a non-CUDA device (DLPack device type {int(dev_type)}); "
+                             f"pass a CUDA array or a NumPy array")
+        import cupy
+        return cupy.from_dlpack(obj)
+
+
 def kind_of(obj, arg="x"):
-    """The kind of ``obj`` (NumpyKind, CupyKind, TorchKind) or "dlpack"; TypeError otherwise."""
+    """The kind of ``obj`` (NumpyKind, CupyKind, TorchKind, DlpackKind); TypeError otherwise."""
     if isinstance(obj, np.ndarray):
         return NumpyKind
     cupy = sys.modules.get("cupy")
@@ -140,19 +166,9 @@ def kind_of(obj, arg="x"):
         if isinstance(obj, torch.Tensor):
             return TorchKind
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        return "dlpack"
+        return DlpackKind
     raise TypeError(f"{arg} must be a CuPy array, a NumPy array, a PyTorch tensor or a CUDA "
                     f"array with __dlpack__, not {type(obj).__module__}.{type(obj).__name__}")
-
-
-def from_dlpack(obj, arg):
-    """A CuPy view of a foreign CUDA array (zero copy)."""
-    dev_type, _ = obj.__dlpack_device__()
-    if int(dev_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
-        raise ValueError(f"{arg} lives on a non-CUDA device (DLPack device type {int(dev_type)}); "
-                         f"pass a CUDA array or a NumPy array")
-    import cupy
-    return cupy.from_dlpack(obj)
 
 
 def _cupy_signature(a):
@@ -170,7 +186,7 @@ def signature(fused, arrays, eps, weight_offset, casting_mode):
     """A key of everything but the pointers, or None (then no fast path). It may be
     unhashable (an odd eps, say): the caller treats that like None.
 
-    ``arrays``: [x, residual, weight, out, residual_out], None where absent.
+    ``arrays``: an ``Arrays`` (x, residual, weight, out, residual_out; None where absent).
     """
     x = arrays[0]
     entry = _SIGNATURES.get(type(x))

@@ -1,13 +1,14 @@
 """The launch itself, and the per-signature cache that keeps repeated calls thin.
 
-A ``Launcher`` holds everything about a call that does not depend on the arrays'
-addresses: row layout, kernel parameters, memory extents relative to each base
-pointer. The first call with a given signature (kinds, shapes, strides, dtypes,
-device, scalars) goes through the full validation in ``_api`` and leaves a Launcher
-behind; later calls with that signature only read the pointers, check what depends
-on them (alignment, vector width, overlap of given outputs with inputs), allocate
-missing outputs and launch. Whatever those cheap checks cannot settle returns
-``None``, and the caller takes the full path.
+A ``Launcher`` is built from a call's ``CallLayout``, ``Scalars`` and array kind: it
+holds everything about a call that does not depend on the arrays' addresses (kernel
+parameters, row strides, memory extents relative to each base pointer). The first call
+with a given signature (kinds, shapes, strides, dtypes, device, scalars) goes through
+the full validation in ``_api`` and leaves its Launcher in this module's cache
+(``lookup`` / ``remember``); later calls with that signature only read the pointers,
+check what depends on them (alignment, vector width, overlap of given outputs with
+inputs), allocate missing outputs and launch. Whatever those cheap checks cannot
+settle returns ``None``, and the caller takes the full path.
 
 Kernels are launched through the driver (``_driver``) on the caller's stream: five
 pointer slots and the ``Params`` struct live in one host buffer per Launcher, so a call
@@ -15,6 +16,7 @@ writes five integers and launches (CuPy's generic argument packing costs several
 times that).
 """
 
+import contextlib
 import ctypes
 import struct
 import threading
@@ -22,74 +24,106 @@ import threading
 import numpy as np
 
 from . import _driver
-from ._kernels import kernels, name_expression
-from ._plan import early_trigger, launch_plan, max_cluster_for, vector_width_from_bits
+from ._compile import instantiation_name, kernel_cache
+from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, WEIGHT, X
+from ._plan import early_trigger, launch_plan, vector_width_from_bits
 
-X, RES, W, OUT, RO = range(5)            # positions in the arrays list
-NAMES = ("x", "residual", "weight", "out", "residual_out")
-LLAMA, HAS_WEIGHT, EARLY_TRIGGER = 1, 2, 4   # kernels/rms_norm.cu: enum Flags
-
-# kernels/rms_norm.cu: struct Params (eight-byte fields first, so no padding).
+# kernels/rms_norm.cu: enum Flags and struct Params (eight-byte fields first, no padding;
+# the kernel asserts the same size, and a CPU test reads both sides).
+FLAGS = {"kLlama": 1, "kHasWeight": 2, "kEarlyTrigger": 4}
+LLAMA, HAS_WEIGHT, EARLY_TRIGGER = FLAGS["kLlama"], FLAGS["kHasWeight"], FLAGS["kEarlyTrigger"]
+PARAMS_BYTES = 96
 PARAMS_DTYPE = np.dtype([
     ("rows", "<i8"), ("n_inner", "<i8"),
-    ("x_so", "<i8"), ("x_si", "<i8"), ("r_so", "<i8"), ("r_si", "<i8"),
-    ("y_so", "<i8"), ("y_si", "<i8"), ("ro_so", "<i8"), ("ro_si", "<i8"),
-    ("hidden", "<i4"), ("eps", "<f4"), ("w_offset", "<f4"), ("flags", "<i4"),
+    ("x", "<i8", (2,)), ("residual", "<i8", (2,)), ("out", "<i8", (2,)), ("residual_out", "<i8", (2,)),
+    ("hidden", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"),
 ])
-_STRIDE_FIELDS = {X: "x", RES: "r", OUT: "y", RO: "ro"}
-_KERNEL_POINTERS = (X, RES, OUT, RO, W)  # the kernel's pointer arguments, in order
-_SLOT = {k: i for i, k in enumerate(_KERNEL_POINTERS)}
+assert PARAMS_DTYPE.itemsize == PARAMS_BYTES
+_ROW_STRIDE_FIELDS = {X: "x", RESIDUAL: "residual", OUT: "out", RESIDUAL_OUT: "residual_out"}
+KERNEL_POINTERS = (X, RESIDUAL, OUT, RESIDUAL_OUT, WEIGHT)   # the kernel's pointer arguments, in order
+_SLOT = {k: i for i, k in enumerate(KERNEL_POINTERS)}
 _pack_pointers = struct.Struct("<5Q").pack_into
 
-_devices = {}
+# -- the cache ---------------------------------------------------------------------------
+_MAX_LAUNCHERS = 1024
+_cache = {}              # call signature -> Launcher
+_plan_overrides = {}     # forced_plan(): launch_plan keyword arguments for new plans
+_plan_record = None      # forced_plan(record=...): a list each new plan is appended to
 
 
-def device_limits(device):
-    """(multiprocessor count, largest cluster) of a device: clusters need sm_90."""
-    limits = _devices.get(device)
-    if limits is None:
-        from cupy.cuda import runtime
-        props = runtime.getDeviceProperties(device)
-        limits = _devices[device] = (props["multiProcessorCount"], max_cluster_for(props["major"]))
-    return limits
+def lookup(signature):
+    """The Launcher remembered for a call signature, or None (also for an unhashable one)."""
+    try:
+        return _cache.get(signature)
+    except TypeError:     # an odd scalar, say: no fast path for this call
+        return None
 
 
+def remember(signature, launcher):
+    try:
+        hash(signature)
+    except TypeError:
+        return
+    if len(_cache) >= _MAX_LAUNCHERS:
+        _cache.clear()
+    _cache[signature] = launcher
+
+
+def clear_cache():
+    """Forget every Launcher (each next call validates and plans anew)."""
+    _cache.clear()
+
+
+@contextlib.contextmanager
+def forced_plan(record=None, **overrides):
+    """Within the block, every new plan gets ``overrides`` as launch_plan keyword arguments
+    (threads_per_row=, vecs_per_thread=, cluster=) and is appended to ``record`` if given.
+    The cache is cleared on entry and exit, so calls plan anew. For tests and sweeps."""
+    global _plan_record
+    saved = dict(_plan_overrides), _plan_record
+    _plan_overrides.clear()
+    _plan_overrides.update(overrides)
+    _plan_record = record
+    clear_cache()
+    try:
+        yield
+    finally:
+        _plan_overrides.clear()
+        _plan_overrides.update(saved[0])
+        _plan_record = saved[1]
+        clear_cache()
+
+
+# -- one signature -----------------------------------------------------------------------
 class Launcher:
-    """Launches one call signature; see the module docstring.
+    """Launches one call signature; see the module docstring."""
 
-    row_strides / extents: per array position, (outer, inner) strides in elements and
-    the [lo, hi) byte range relative to the array's pointer. given_outputs: the output
-    positions the caller passed (fresh outputs are allocated contiguous).
-    """
-
-    def __init__(self, kind, fused, device, shape, dtype, itemsize, weight_dtype, weight_itemsize,
-                 rows, n_inner, row_strides, extents, given_outputs, eps, weight_offset, llama,
-                 grad_check):
-        self.kind, self.fused, self.device, self.shape = kind, fused, device, shape
-        self.dtype, self.itemsize = dtype, itemsize
-        self.weight_dtype, self.weight_itemsize = weight_dtype, weight_itemsize
-        self.rows, self.hidden = rows, shape[-1]
-        self.row_strides, self.extents = row_strides, extents
-        self.given_outputs, self.grad_check = given_outputs, grad_check
-        self.others = (RES, OUT, RO) if fused else (OUT,)      # arrays that must follow x's alignment
-        self.missing_outputs = tuple(k for k in ((OUT, RO) if fused else (OUT,)) if k not in given_outputs)
+    def __init__(self, layout, scalars, kind):
+        self.kind, self.layout, self.fused = kind, layout, layout.fused
+        self.device = _driver.device(layout.device)
+        self.shape, self.itemsize, self.rows, self.hidden = layout.shape, layout.itemsize, layout.rows, layout.hidden
+        row_strides = layout.row_strides
+        self.given_outputs = layout.given_outputs
+        self.grad_check = layout.requires_grad      # then the full path decides while grad mode is on
+        self.others = (RESIDUAL, OUT, RESIDUAL_OUT) if self.fused else (OUT,)  # must follow x's alignment
+        self.extents = layout.extents
         # with the pointer differences, the stride differences from x decide the vector width
         xso, xsi = row_strides[X]
         bits = 0
         for k in self.others:
             so, si = row_strides[k]
-            bits |= ((so - xso) * itemsize) | ((si - xsi) * itemsize)
+            bits |= ((so - xso) * self.itemsize) | ((si - xsi) * self.itemsize)
         self.stride_bits = bits
         # x's rows all start on its vector grid when its address and strides do (the
         # strides part is settled here; the address, per call)
-        self.x_stride_bytes = (xso * itemsize) | ((xsi * itemsize) if n_inner != 1 else 0)
+        self.x_stride_bytes = (xso * self.itemsize) | ((xsi * self.itemsize) if layout.n_inner != 1 else 0)
         self.params = np.zeros(1, PARAMS_DTYPE)
         p = self.params
-        p["rows"], p["n_inner"], p["hidden"] = rows, n_inner, self.hidden
+        p["rows"], p["n_inner"], p["hidden"] = layout.rows, layout.n_inner, layout.hidden
         for k in (X,) + self.others:
-            p[_STRIDE_FIELDS[k] + "_so"], p[_STRIDE_FIELDS[k] + "_si"] = row_strides[k]
-        p["eps"], p["w_offset"] = eps, weight_offset
-        self.flags = (LLAMA if llama else 0) | (HAS_WEIGHT if weight_dtype else 0)
+            p[_ROW_STRIDE_FIELDS[k]] = row_strides[k]
+        p["eps"], p["weight_offset"] = scalars.eps, scalars.weight_offset
+        self.flags = (LLAMA if scalars.llama else 0) | (HAS_WEIGHT if layout.weight_dtype else 0)
         p["flags"] = self.flags
         self._flags = p["flags"]                     # a view: the trigger bit is set per plan
         # cuLaunchKernel's argument array: five pointer slots, then the Params struct
@@ -101,7 +135,8 @@ class Launcher:
         self._by_vec = {}
         self._by_low_bits = {}      # low 4 bits of x's address and differences -> (grid, block, kernel, flags)
         self.other_slots = tuple((k, _SLOT[k]) for k in self.others)
-        self.missing_slots = tuple((k, _SLOT[k]) for k in self.missing_outputs)
+        self.fresh_out = OUT not in self.given_outputs
+        self.fresh_residual_out = self.fused and RESIDUAL_OUT not in self.given_outputs
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
@@ -111,19 +146,20 @@ class Launcher:
         ``edges``: whether rows may have a scalar head or tail (see LaunchPlan)."""
         entry = self._by_vec.get((vec, edges))
         if entry is None:
-            sms, max_cluster = device_limits(self.device)
-            plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, sms, self.fused,
-                               edges=edges, max_cluster=max_cluster)
+            d = self.device
+            plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, self.fused,
+                               edges=edges, max_cluster=d.max_cluster, **_plan_overrides)
+            if _plan_record is not None:
+                _plan_record.append(plan)
             entry = self._by_vec[(vec, edges)] = (plan, self.function(plan))
         return entry
 
     def plan_flags(self, plan, fn):
         """Params.flags for a plan: the Launcher's, plus when to allow the next kernel."""
         from cupy_backends.cuda.api import driver
-        sms = device_limits(self.device)[0]
-        _driver.ensure_context(self.device)        # a driver call: this thread may have none yet
+        _driver.ensure_context(self.device.index)   # a driver call: this thread may have none yet
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
-        return self.flags | (EARLY_TRIGGER if early_trigger(plan.grid, sms, per_sm) else 0)
+        return self.flags | (EARLY_TRIGGER if early_trigger(plan.grid, self.device.sm_count, per_sm) else 0)
 
     def edges(self, vec, x_ptr):
         """False when every row of x starts on the vector grid and holds whole vectors."""
@@ -131,42 +167,44 @@ class Launcher:
 
     def function(self, plan):
         """The compiled kernel for a plan."""
-        return kernels.get(self.device, name_expression(self.dtype, self.weight_dtype, self.fused, plan))
+        name = instantiation_name(self.layout.dtype, self.layout.weight_dtype, self.fused, plan)
+        return kernel_cache.get(self.device.index, name)
 
     def _overlap_settled(self, arrays, slots):
         """True when the given outputs provably do not overlap what they must not: weight,
         each other, and each input unless they are that very input (same pointer, strides)."""
-        ext, st = self.extents, self.row_strides
+        ext, st = self.extents, self.layout.row_strides
         ptrs = [slots[_SLOT[k]] if arrays[k] is not None else None for k in range(5)]
 
         def apart(a, b):
             return ptrs[a] + ext[a][1] <= ptrs[b] + ext[b][0] or ptrs[b] + ext[b][1] <= ptrs[a] + ext[a][0]
 
         for o in self.given_outputs:
-            if ptrs[W] is not None and not apart(o, W):
+            if ptrs[WEIGHT] is not None and not apart(o, WEIGHT):
                 return False
-            for i in ((X, RES) if self.fused else (X,)):
+            for i in ((X, RESIDUAL) if self.fused else (X,)):
                 if not apart(o, i) and not (ptrs[o] == ptrs[i] and st[o] == st[i]):
                     return False
-        return len(self.given_outputs) < 2 or apart(OUT, RO)
+        return len(self.given_outputs) < 2 or apart(OUT, RESIDUAL_OUT)
 
     def __call__(self, arrays, checked=False):
-        """Launch on ``arrays`` ([x, residual, weight, out, residual_out], None where absent).
+        """Launch on ``arrays`` (the five in ``Arrays`` order, None where absent).
 
         Returns the result, or None when the full path must decide (nothing was done).
         ``checked``: the full path has just validated these very arrays.
         """
         if self.grad_check and self.kind.grad_enabled():
             return None
-        if self._get_device() == self.device:
+        if self._get_device() == self.device.index:
             return self._run(arrays, checked)
-        with self._device_context(self.device):   # allocate and launch on the arrays' device
+        with self._device_context(self.device.index):   # allocate and launch on the arrays' device
             return self._run(arrays, checked)
 
     def _run(self, arrays, checked):
         ptr, itemsize = self.kind.ptr, self.itemsize
-        slots = [0] * 5                                   # the kernel's pointers, in _KERNEL_POINTERS order
-        slots[0] = px = ptr(arrays[X])
+        slots = [0] * 5                                   # the kernel's pointers, in KERNEL_POINTERS order
+        x = arrays[X]
+        slots[0] = px = ptr(x)
         bits, misaligned = self.stride_bits, px % itemsize
         for k, i in self.other_slots:
             a = arrays[k]
@@ -174,17 +212,22 @@ class Launcher:
                 p = slots[i] = ptr(a)
                 bits |= p - px
                 misaligned |= p % itemsize
-        w = arrays[W]
+        w = arrays[WEIGHT]
         if w is not None:
             slots[4] = p = ptr(w)
-            misaligned |= p % self.weight_itemsize
+            misaligned |= p % self.layout.weight_itemsize
         if misaligned or (self.given_outputs and not checked and not self._overlap_settled(arrays, slots)):
             return None
-        for k, i in self.missing_slots:
-            a = arrays[k] = self.kind.empty(self.shape, arrays[X])
-            p = slots[i] = ptr(a)
+        out, residual_out = arrays[OUT], arrays[RESIDUAL_OUT]
+        if self.fresh_out:
+            out = self.kind.empty(self.shape, x)
+            slots[2] = p = ptr(out)
             bits |= p - px
-        result = (arrays[OUT], arrays[RO]) if self.fused else arrays[OUT]
+        if self.fresh_residual_out:
+            residual_out = self.kind.empty(self.shape, x)
+            slots[3] = p = ptr(residual_out)
+            bits |= p - px
+        result = (out, residual_out) if self.fused else out
         if self.rows == 0:
             return result
         key = (bits & 15) | ((px & 15) << 4)              # all that decides vector width and edges
@@ -192,10 +235,9 @@ class Launcher:
         if entry is None:
             vec = vector_width_from_bits(itemsize, bits)
             plan, fn = self.plan_and_function(vec, self.edges(vec, px))
-            _driver.pdl_enabled(self.device)
             entry = self._by_low_bits[key] = (plan.grid_dims(), plan.block, fn.ptr, self.plan_flags(plan, fn))
         grid, block, fn_ptr, flags = entry
-        stream = self.kind.stream(self.device)
+        stream = self.kind.stream(self.device.index)
         with self._lock:
             if self._flags[0] != flags:              # another plan than the last call's
                 self._flags[0] = flags

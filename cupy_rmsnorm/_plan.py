@@ -22,7 +22,8 @@ MAX_VECS_PER_THREAD_FUSED = 2
 FEW_ROWS = 256             # up to here latency rules: one vector per thread, clusters for long rows
 ONE_BLOCK_VECTORS = 512    # few rows longer than this get a cluster of blocks each (sm_90)
 CLUSTER_MIN_VECTORS = 128  # ... as large as fits one wave, each block keeping at least this many
-MAX_CLUSTER = 8            # the portable cluster size limit (sm_90)
+MAX_CLUSTER = 8            # the portable cluster size limit
+CLUSTER_MIN_MAJOR = 9      # thread-block clusters: sm_90 and later
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -97,7 +98,7 @@ def vector_width_from_bits(itemsize, bits):
 
 def max_cluster_for(cc_major):
     """The largest cluster launch_plan may use on a device of this compute capability."""
-    return MAX_CLUSTER if cc_major >= 9 else 1
+    return MAX_CLUSTER if cc_major >= CLUSTER_MIN_MAJOR else 1
 
 
 def cluster_size(rows, n, sm_count, max_cluster):

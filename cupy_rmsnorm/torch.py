@@ -31,7 +31,7 @@ class _NormBase(nn.Module):
     def __init__(self, hidden_size, eps=1e-6, *, weight_offset=0.0, casting_mode="fp32",
                  dtype=None, device=None):
         super().__init__()
-        self.eps, self.weight_offset = check_scalars(eps, weight_offset, casting_mode, True)
+        self.eps, self.weight_offset, _ = check_scalars(eps, weight_offset, casting_mode, True)
         self.casting_mode = casting_mode
         self.hidden_size = int(hidden_size)
         self.weight = nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))

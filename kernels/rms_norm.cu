@@ -9,18 +9,20 @@
 // unfused rms_norm(x + residual); LLAMA mode rounds x * inv_rms to T before the
 // weight multiply (HF LlamaRMSNorm), otherwise there is one rounding at the end.
 //
-// Work split (cupy_rmsnorm/_plan.py decides): a group of G threads owns one row (G <= 32:
-// several rows per block, reduced with warp shuffles; G > 32: one row per block, reduced
-// through shared memory; rms_norm_cluster_kernel: one row per cluster of C blocks on C
-// SMs, the block sums added through distributed shared memory). One block per row group,
+// Work split (cupy_rmsnorm/_plan.py decides): a group of ROW_THREADS threads owns one row
+// (ROW_THREADS <= 32: several rows per block, reduced with warp shuffles; ROW_THREADS > 32:
+// one row per block, reduced through shared memory; rms_norm_cluster_kernel: one row per
+// cluster of CLUSTER blocks on CLUSTER SMs, the block sums added through distributed shared
+// memory). One block per row group,
 // no grid-stride loop: a loop's live state cost registers, hence occupancy.
 // Each row is split into an unaligned head (< VEC elements, up to the first 16-byte
 // boundary of x's row), a body of VEC-wide vectors and a tail, so every row gets 16-byte
 // accesses whatever its offset, provided all arrays share x's alignment pattern (the
 // launcher checks that and lowers VEC otherwise); EDGES = false compiles the common case
 // (rows on the vector grid, hidden a multiple of VEC) without head and tail.
-// NV > 0 keeps the body in registers (each element read from DRAM once);
-// NV == 0 streams the row twice (pass 2 re-reads x, or residual_out, from L2).
+// THREAD_VECS > 0 keeps the body in registers, THREAD_VECS vectors per thread (each element
+// read from DRAM once); THREAD_VECS == 0 streams the row twice (pass 2 re-reads x, or
+// residual_out, from L2).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -47,25 +49,31 @@ struct alignas(sizeof(T) * N) Pack {
     T v[N];
 };
 
-enum Flags { kLlama = 1, kHasWeight = 2, kEarlyTrigger = 4 };
+enum Flags { kLlama = 1, kHasWeight = 2, kEarlyTrigger = 4 };   // Params.flags
 
 // Everything but the pointers, passed by value as one argument (fewer kernel
 // arguments, less host work per launch). Row r of an array starts at
-// (r / n_inner) * outer_stride + (r % n_inner) * inner_stride elements. The host
-// side mirrors this layout in cupy_rmsnorm/_launcher.py (PARAMS_DTYPE).
-struct Params {
-    long long rows, n_inner;
-    long long x_so, x_si, r_so, r_si, y_so, y_si, ro_so, ro_si;   // outer / inner strides
-    int hidden;
-    float eps, w_offset;
-    int flags;
+// (r / n_inner) * outer + (r % n_inner) * inner elements. The host side packs this
+// layout in cupy_rmsnorm/_launcher.py (PARAMS_DTYPE, PARAMS_BYTES, FLAGS); a CPU test
+// checks that both sides agree.
+struct RowStrides {
+    long long outer, inner;
 };
 
-// Sum over the G lanes of a group (G a power of two, at most 32).
-template <int G>
+struct Params {
+    long long rows, n_inner;
+    RowStrides x, residual, out, residual_out;
+    int hidden;
+    float eps, weight_offset;
+    int flags;
+};
+static_assert(sizeof(Params) == 96, "Params: 96 bytes, as cupy_rmsnorm/_launcher.py packs it");
+
+// Sum over the LANES lanes of a group (a power of two; at most a warp's 32 take part).
+template <int LANES>
 __device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-    for (int o = (G < 32 ? G : 32) / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = (LANES < 32 ? LANES : 32) / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
@@ -123,11 +131,11 @@ __device__ __forceinline__ Pack<T, VEC> finish_vec(const Pack<T, VEC>& a, const 
     return scale_vec<T, W, VEC>(a, wv, inv_rms, flags);
 }
 
-// The sum of `part` over the C blocks of this block's cluster, through distributed shared
+// The sum of `part` over the CLUSTER blocks of this block's cluster, through distributed shared
 // memory; the same value, added in the same order, in every block. Every thread of the
 // cluster calls it once; the caller then calls cluster_done() before exiting, so no block
 // leaves while another may still read its shared memory.
-template <int C>
+template <int CLUSTER>
 __device__ __forceinline__ float cluster_sum(float part) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     __shared__ float slot;
@@ -136,7 +144,7 @@ __device__ __forceinline__ float cluster_sum(float part) {
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(&slot));
     float total = 0.f;
 #pragma unroll
-    for (unsigned r = 0; r < C; ++r) {
+    for (unsigned r = 0; r < CLUSTER; ++r) {
         unsigned remote;
         float v;
         asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
@@ -177,35 +185,35 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
-// One row (or, with C > 1, the share of one row of block `rank` of its cluster).
+// One row (or, with CLUSTER > 1, the share of one row of block `rank` of its cluster).
 // EDGES: a row may start off x's 16-byte grid or end in a partial vector (head and tail);
 // without it every row is whole vectors, a compile-time fact that saves registers.
-template <typename T, typename W, bool FUSED, int VEC, int G, int NV, bool EDGES, int C>
+template <typename T, typename W, bool FUSED, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int CLUSTER>
 __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_out, const W* w,
                                          const Params& p, long long block_id, int rank) {
     using VecT = Pack<T, VEC>;
-    constexpr int WARPS = G > 32 ? G / 32 : 1;
-    static_assert(G >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
-    static_assert(C == 1 || G > 32, "clusters split rows of a block each");
+    constexpr int WARPS = ROW_THREADS > 32 ? ROW_THREADS / 32 : 1;
+    static_assert(ROW_THREADS >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
+    static_assert(CLUSTER == 1 || ROW_THREADS > 32, "clusters split rows of a block each");
     __shared__ float warp_sums[WARPS];
 
     const int hidden = p.hidden, flags = p.flags;
-    const float w_offset = p.w_offset;
-    const int tid = threadIdx.x % G;             // lane within the row group
-    const long long row = block_id * (blockDim.x / G) + threadIdx.x / G;
+    const float w_offset = p.weight_offset;
+    const int tid = threadIdx.x % ROW_THREADS;   // lane within the row group
+    const long long row = block_id * (blockDim.x / ROW_THREADS) + threadIdx.x / ROW_THREADS;
     const bool active = row < p.rows;            // false only in the last block of small groups
     const long long r = active ? row : 0;
     long long outer = r, inner = 0;
     if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
-    const T* xr = x + outer * p.x_so + inner * p.x_si;
-    const T* rr = FUSED ? res + outer * p.r_so + inner * p.r_si : nullptr;
-    T* yr = y + outer * p.y_so + inner * p.y_si;
-    T* ror = FUSED ? res_out + outer * p.ro_so + inner * p.ro_si : nullptr;
+    const T* xr = x + outer * p.x.outer + inner * p.x.inner;
+    const T* rr = FUSED ? res + outer * p.residual.outer + inner * p.residual.inner : nullptr;
+    T* yr = y + outer * p.out.outer + inner * p.out.inner;
+    T* ror = FUSED ? res_out + outer * p.residual_out.outer + inner * p.residual_out.inner : nullptr;
 
     // Head: elements before x's row reaches a 16-byte boundary (all arrays share that
     // alignment pattern, the launcher made sure); tail: what is left after the last whole
-    // vector. Both are shorter than VEC <= G, so a thread holds at most one element of
-    // each, in a register; with a cluster, block 0 takes them.
+    // vector. Both are shorter than VEC <= ROW_THREADS, so a thread holds at most one
+    // element of each, in a register; with a cluster, block 0 takes them.
     int head = 0, n_body = hidden / VEC, tail_start = hidden;
     if (EDGES) {
         const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
@@ -217,15 +225,15 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     const bool has_tail = EDGES && active && rank == 0 && tid < hidden - tail_start;
     const bool w_vec = (flags & kHasWeight) &&
         ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
-    const int first = rank * G + tid;            // this thread's first body vector
-    constexpr int STEP = G * C;                  // and the stride between its vectors
+    const int first = rank * ROW_THREADS + tid;  // this thread's first body vector
+    constexpr int STEP = ROW_THREADS * CLUSTER;  // and the stride between its vectors
 
     float ss = 0.f, head_v = 0.f, tail_v = 0.f, head_w = 1.f, tail_w = 1.f;
-    VecT keep[NV > 0 ? NV : 1];                  // the row's body, kept for the second pass
+    VecT keep[THREAD_VECS > 0 ? THREAD_VECS : 1];   // the row's body, kept for the second pass
     // Short rows: the weights are fetched with the row, not after the reduction, so their
     // latency is off the critical path (only where registers allow).
-    constexpr bool PREFETCH_W = NV == 1;
-    Pack<W, VEC> wk[PREFETCH_W ? NV : 1];
+    constexpr bool PREFETCH_W = THREAD_VECS == 1;
+    Pack<W, VEC> wk[PREFETCH_W ? THREAD_VECS : 1];
     const bool prefetch_w = PREFETCH_W && w_vec;
     const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
     const VecT* rv = reinterpret_cast<const VecT*>(rr + head);
@@ -234,16 +242,16 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     wait_for_previous_kernel();                  // no global memory access before this
     if (flags & kEarlyTrigger) allow_next_kernel();
     if (active) {
-        if (NV > 0) {
-            VecT other[FUSED && NV > 0 ? NV : 1];
+        if (THREAD_VECS > 0) {
+            VecT other[FUSED && THREAD_VECS > 0 ? THREAD_VECS : 1];
 #pragma unroll
-            for (int i = 0; i < NV; ++i) {      // issue every body load before the first use
+            for (int i = 0; i < THREAD_VECS; ++i) {   // issue every body load before the first use
                 const int v = first + i * STEP;
                 if (v < n_body) { keep[i] = xv[v]; if (FUSED) other[i] = rv[v]; }
             }
             if (prefetch_w) {
 #pragma unroll
-                for (int i = 0; i < NV; ++i) {
+                for (int i = 0; i < THREAD_VECS; ++i) {
                     const int v = first + i * STEP;
                     if (v < n_body) wk[i] = reinterpret_cast<const Pack<W, VEC>*>(w + head)[v];
                 }
@@ -252,7 +260,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
             if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
             if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
 #pragma unroll
-            for (int i = 0; i < NV; ++i) {
+            for (int i = 0; i < THREAD_VECS; ++i) {
                 const int v = first + i * STEP;
                 if (v < n_body) {
                     if (FUSED) {
@@ -289,16 +297,16 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
         }
     }
 
-    ss = group_sum<G>(ss);
-    if (G > 32) {                                // one row per block: add up the warps
+    ss = group_sum<ROW_THREADS>(ss);
+    if (ROW_THREADS > 32) {                      // one row per block: add up the warps
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         if (lane == 0) warp_sums[warp] = ss;
         __syncthreads();
         ss = lane < WARPS ? warp_sums[lane] : 0.f;
         ss = group_sum<32>(ss);
     }
-    if (C > 1) ss = cluster_sum<C>(ss);          // and the blocks of the cluster
-    if (!active) return;                         // (never with C > 1: a cluster shares one row)
+    if (CLUSTER > 1) ss = cluster_sum<CLUSTER>(ss);   // and the blocks of the cluster
+    if (!active) return;                         // (never with a cluster: it shares one row)
     const float inv_rms = rsqrtf(ss / (float)hidden + p.eps);
 
     if (has_head) yr[tid] = normalize<T, W>(head_v, inv_rms, head_w, flags);
@@ -309,9 +317,9 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     VecT* yv = reinterpret_cast<VecT*>(yr + head);
     const VecT* sv = reinterpret_cast<const VecT*>(src + head);
     const W* wb = w + head;
-    if (NV > 0) {
+    if (THREAD_VECS > 0) {
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
+        for (int i = 0; i < THREAD_VECS; ++i) {
             const int v = first + i * STEP;
             if (v >= n_body) continue;
             if (prefetch_w) {
@@ -331,32 +339,35 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     }
 }
 
-// The grid has one block per group of rows_per_block rows (blockDim.x / G), in x then y
+// The grid has one block per group of rows_per_block rows (blockDim.x / ROW_THREADS), in x
+// then y
 // (the launcher splits counts past 2^31 - 1 blocks).
 __device__ __forceinline__ long long linear_block() {
     return (long long)blockIdx.y * gridDim.x + blockIdx.x;
 }
 
-template <typename T, typename W, bool FUSED, int VEC, int G, int NV, bool EDGES>
-__global__ void __launch_bounds__(G > 256 ? G : 256, G > 256 ? 1024 / G : 3)
+template <typename T, typename W, bool FUSED, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
+__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256,
+                                  ROW_THREADS > 256 ? 1024 / ROW_THREADS : 3)
 rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
-    norm_row<T, W, FUSED, VEC, G, NV, EDGES, 1>(x, res, y, res_out, w, p, linear_block(), 0);
+    norm_row<T, W, FUSED, VEC, ROW_THREADS, THREAD_VECS, EDGES, 1>(x, res, y, res_out, w, p, linear_block(), 0);
     if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
 }
 
-// A row split over a cluster of C blocks (few long rows: more SMs per row). The grid's
-// x extent is a multiple of C, so a cluster's blocks are C consecutive linear blocks.
+// A row split over a cluster of CLUSTER blocks (few long rows: more SMs per row). The grid's
+// x extent is a multiple of CLUSTER, so a cluster's blocks are CLUSTER consecutive linear blocks.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define RMSNORM_CLUSTER_DIMS(c)
 #else
 #define RMSNORM_CLUSTER_DIMS(c) __cluster_dims__(c, 1, 1)
 #endif
 
-template <typename T, typename W, bool FUSED, int VEC, int G, int NV, bool EDGES, int C>
-__global__ void RMSNORM_CLUSTER_DIMS(C) __launch_bounds__(G, 1)
+template <typename T, typename W, bool FUSED, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int CLUSTER>
+__global__ void RMSNORM_CLUSTER_DIMS(CLUSTER) __launch_bounds__(ROW_THREADS, 1)
 rms_norm_cluster_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
     const long long b = linear_block();
-    norm_row<T, W, FUSED, VEC, G, NV, EDGES, C>(x, res, y, res_out, w, p, b / C, (int)(b % C));
+    norm_row<T, W, FUSED, VEC, ROW_THREADS, THREAD_VECS, EDGES, CLUSTER>(x, res, y, res_out, w, p, b / CLUSTER,
+                                                                         (int)(b % CLUSTER));
     if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
     cluster_done();
 }

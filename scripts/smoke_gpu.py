@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _kernels
+from cupy_rmsnorm import _compile
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 fails = 0
@@ -26,7 +26,7 @@ def check(name, got, ref, atol, rtol):
     fails += not ok
 
 
-print("include dirs:", _kernels.cuda_include_dirs())
+print("include dirs:", _compile.cuda_include_dirs())
 rng = np.random.default_rng(0)
 for dtype, tol in ((np.float32, 1e-5), (np.float16, 2e-3), (BF16, 2e-2)):
     for rows, hidden in ((3, 7), (257, 255), (64, 4096), (5, 4095), (2, 65536 + 3), (1, 16384)):
@@ -114,6 +114,6 @@ try:
     print("torch agreement max err", (rn.rms_norm(xt, wt).float() - ref).abs().max().item())
 except ImportError:
     print("no torch")
-print("compiled kernels:", len(_kernels.kernels))
+print("compiled kernels:", len(_compile.kernel_cache))
 print("SMOKE", "FAILED" if fails else "PASSED", fails)
 sys.exit(1 if fails else 0)

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _api, _launcher, _plan
+from cupy_rmsnorm import _launcher, _plan
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
@@ -50,20 +50,18 @@ SPLIT_CASES = ((300, 7), (37, 1000), (70, 33001), (37, 33001))
 RTOL = {"float32": 1e-5, "float16": 2 * 2.0 ** -10, "bfloat16": 2 * 2.0 ** -7}
 ATOL = {"float32": 1e-6, "float16": 2.0 ** -22, "bfloat16": 1e-6}
 
-seen = set()          # (launch shape, vector width) of every kernel launch planned
 SHAPES = {"warp", "block", "stream", "cluster"}
 
 
-def _recording_plan(*args, **kwargs):
-    plan = _plan.launch_plan(*args, **kwargs)
-    shape = "stream" if plan.vecs_per_thread == 0 else "warp" if plan.threads_per_row <= _plan.WARP else "block"
-    seen.add((shape, plan.vec))
-    if plan.cluster > 1:
-        seen.add(("cluster", plan.vec))
-    return plan
-
-
-_launcher.launch_plan = _recording_plan      # the launcher looks it up at each new plan
+def launch_shapes(plans):
+    """(launch shape, vector width) of each plan."""
+    seen = set()
+    for plan in plans:
+        shape = "stream" if plan.vecs_per_thread == 0 else "warp" if plan.threads_per_row <= _plan.WARP else "block"
+        seen.add((shape, plan.vec))
+        if plan.cluster > 1:
+            seen.add(("cluster", plan.vec))
+    return seen
 
 
 def to_device(a):
@@ -143,6 +141,25 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer layouts (for racecheck)")
     args = parser.parse_args()
     cp.cuda.set_allocator(None)        # one cudaMalloc per array: memcheck sees exact bounds
+    plans = []
+    with _launcher.forced_plan(record=plans):    # no override: the heuristic's plans, recorded
+        wrong, calls = run_grid(args)
+    cp.cuda.Device().synchronize()
+    seen = launch_shapes(plans)
+    shapes = sorted({s for s, _ in seen})
+    widths = sorted({v for _, v in seen})
+    print(f"sanitize_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
+          f"vector widths {widths}", flush=True)
+    if wrong:
+        return 3
+    if set(shapes) != SHAPES:
+        print("sanitize_grid: the grid missed a launch shape", flush=True)
+        return 4
+    return 0
+
+
+def run_grid(args):
+    """Every call of the grid; returns (wrong results, calls)."""
     rng = np.random.default_rng(0)
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
     calls = wrong = 0
@@ -154,26 +171,15 @@ def main():
     # grids split into rows of 8 blocks, the last row with surplus blocks (or clusters)
     grid_limits = _plan.MAX_GRID_X, _plan.GRID_ROW
     _plan.MAX_GRID_X, _plan.GRID_ROW = 7, 8
-    _api._launchers.clear()            # launchers made above keep their plans
+    _launcher.clear_cache()            # launchers made above keep their plans
     for i, (dtype_name, op, (rows, hidden), layout) in enumerate(
             itertools.product(DTYPES, OPS, SPLIT_CASES, ("contiguous", "offset_inplace"))):
         wkind, woff = WEIGHTS[i % len(WEIGHTS)]
         calls += 1
         wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
     _plan.MAX_GRID_X, _plan.GRID_ROW = grid_limits
-    _api._launchers.clear()
-    cp.cuda.Device().synchronize()
-
-    shapes = sorted({s for s, _ in seen})
-    widths = sorted({v for _, v in seen})
-    print(f"sanitize_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
-          f"vector widths {widths}", flush=True)
-    if wrong:
-        return 3
-    if set(shapes) != SHAPES:
-        print("sanitize_grid: the grid missed a launch shape", flush=True)
-        return 4
-    return 0
+    _launcher.clear_cache()
+    return wrong, calls
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import re
 
 import pytest
 
-from cupy_rmsnorm import _kernels, launch_plan
-from cupy_rmsnorm._kernels import CUDA_TYPES, name_expression
+from cupy_rmsnorm import _compile, launch_plan
+from cupy_rmsnorm._compile import CUDA_TYPES, instantiation_name
 
 ARCHS = ("sm_80", "sm_90")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -55,7 +55,7 @@ def _nvrtc_missing():
         major, _ = nvrtc.getVersion()
     except Exception as e:  # noqa: BLE001
         return f"NVRTC library not found ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12"
-    if not _kernels.cuda_include_dirs(major):
+    if not _compile.cuda_include_dirs(major):
         return "no CUDA headers (cuda_bf16.h) found; pip install nvidia-cuda-runtime-cu12"
     return None
 
@@ -85,14 +85,14 @@ def instantiations(dtype):
     for fused in (False, True):
         for plan in _plans(dtype, fused).values():
             for weight in (None, dtype, "float32"):     # None and x's dtype are the same kernel
-                exprs.add((name_expression(dtype, weight, fused, plan),
+                exprs.add((instantiation_name(dtype, weight, fused, plan),
                            _mangled_prefix(dtype, weight, fused, plan)))
     return sorted(exprs)
 
 
 def _mangled_prefix(dtype, weight, fused, plan):
     """The start of the symbol NVRTC must emit for one instantiation (its template arguments)."""
-    kernel = name_expression(dtype, weight, fused, plan).split("<")[0].split("::")[-1]
+    kernel = instantiation_name(dtype, weight, fused, plan).split("<")[0].split("::")[-1]
     t, w = CUDA_TYPES[dtype], CUDA_TYPES[weight or dtype]
     w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"   # S1_: substitution, W == T
     ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E"
@@ -114,14 +114,14 @@ def _compile_batches(batches, fast):
     def one(batch):
         key, exprs, arch = batch
         try:
-            return key, _kernels.compile_offline(exprs, arch)
+            return key, _compile.compile_offline(exprs, arch)
         except Exception as e:  # noqa: BLE001 - reported by the test that owns the batch
             return key, e
 
     with pytest.MonkeyPatch.context() as mp:
         if fast and _nvrtc_version() >= (12, 8):
-            plain = _kernels.nvrtc_options
-            mp.setattr(_kernels, "nvrtc_options", lambda major=None: plain(major) + ("--Ofast-compile=max",))
+            plain = _compile.nvrtc_options
+            mp.setattr(_compile, "nvrtc_options", lambda major=None: plain(major) + ("--Ofast-compile=max",))
         workers = max(2, min(len(batches), os.cpu_count() or 2))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             return dict(pool.map(one, sorted(batches, key=lambda b: -len(b[1]))))
@@ -172,7 +172,7 @@ def _heaviest_per_variant(dtype):
             key = (plan.vecs_per_thread, plan.threads_per_row, plan.vec, plan.edges, plan.cluster)
             if plan.variant not in best or key > best[plan.variant][0]:
                 best[plan.variant] = (key, plan)
-        pairs |= {(name_expression(dtype, "float32", fused, p), _mangled_prefix(dtype, "float32", fused, p))
+        pairs |= {(instantiation_name(dtype, "float32", fused, p), _mangled_prefix(dtype, "float32", fused, p))
                   for _, p in best.values()}
     return sorted(pairs)
 
@@ -211,4 +211,4 @@ def test_enumeration_is_complete():
 
 def test_a_broken_expression_fails_loudly():
     with pytest.raises(RuntimeError, match="NVRTC failed for sm_90"):
-        _kernels.compile_offline(["rmsnorm::no_such_kernel<float>"], "sm_90")
+        _compile.compile_offline(["rmsnorm::no_such_kernel<float>"], "sm_90")

@@ -27,9 +27,33 @@ def test_launch_config_layout():
 
 
 def test_pdl_off_by_environment(monkeypatch):
-    """CUPY_RMSNORM_PDL=0: no cuLaunchKernelEx, so every device launches plainly."""
+    """CUPY_RMSNORM_PDL=0: every device record says plain launches (decided without CuPy)."""
     monkeypatch.setenv("CUPY_RMSNORM_PDL", "0")
-    monkeypatch.setattr(_driver, "_launch_ex", None)
-    monkeypatch.setattr(_driver, "_pdl_devices", {})
-    assert _driver._load_launch_ex() is False
-    assert _driver.pdl_enabled(0) is False      # decided without asking the device
+    assert _driver.pdl_wanted() is False
+    assert _driver.Device(0, 132, (9, 0), _driver.pdl_wanted()).pdl is False
+    monkeypatch.setenv("CUPY_RMSNORM_PDL", "1")
+    assert _driver.pdl_wanted() is True
+
+
+def test_device_record():
+    """Clusters and programmatic dependent launch need sm_90: one record says both."""
+    hopper = _driver.Device(3, 132, (9, 0), True)
+    assert (hopper.index, hopper.sm_count, hopper.max_cluster, hopper.pdl) == (3, 132, 8, True)
+    ampere = _driver.Device(0, 108, (8, 0), True)
+    assert (ampere.max_cluster, ampere.pdl) == (1, False)
+    assert _driver.Device(0, 132, (9, 0), False).pdl is False     # no cuLaunchKernelEx
+
+
+def test_refused_attribute_falls_back_for_good(monkeypatch):
+    """A driver that refuses the launch attribute: the launch goes out plainly, with one
+    warning, and the device record launches plainly from then on."""
+    import pytest
+    plain = []
+    monkeypatch.setattr(_driver, "_launch_ex", lambda *a: 1)      # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(_driver, "_launch_plain", lambda *a: plain.append(a))
+    dev = _driver.Device(0, 132, (9, 0), True)
+    with pytest.warns(RuntimeWarning, match="cuLaunchKernelEx failed"):
+        _driver.launch(dev, 1, (2, 1), 128, 0, 0, _driver.LaunchConfig())
+    assert dev.pdl is False and len(plain) == 1
+    _driver.launch(dev, 1, (2, 1), 128, 0, 0, _driver.LaunchConfig())   # no second warning
+    assert len(plain) == 2

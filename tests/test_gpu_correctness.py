@@ -47,7 +47,7 @@ import pytest
 from helpers import DTYPES, gpu_missing, requires_gpu, requires_torch_gpu
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _api, _launcher, _plan
+from cupy_rmsnorm import _launcher, _plan
 
 if gpu_missing() is None:
     import cupy as cp
@@ -450,20 +450,16 @@ def test_split_grid(monkeypatch, op, dtype_name):
     """Grids past 2**31 - 1 blocks are laid out as rows of 2**16 blocks, the last row with
     surplus blocks that must find no row (and, for clusters, surplus clusters). The split
     is made to happen at 8 blocks here (_plan.MAX_GRID_X, _plan.GRID_ROW), for warp-group,
-    block, streamed and cluster plans. Reaches into the launcher (_launcher.launch_plan,
-    _api._launchers): update here if those move."""
+    block, streamed and cluster plans."""
     dtype = DTYPES[dtype_name]
     plans = []
-
-    def recording_plan(*args, **kwargs):
-        plan = _plan.launch_plan(*args, **kwargs)
-        plans.append(plan)
-        return plan
-
     monkeypatch.setattr(_plan, "MAX_GRID_X", 7)
     monkeypatch.setattr(_plan, "GRID_ROW", 8)
-    monkeypatch.setattr(_launcher, "launch_plan", recording_plan)
-    monkeypatch.setattr(_api, "_launchers", {})     # fresh launchers, so they plan again
+    with _launcher.forced_plan(record=plans):       # the heuristic's plans, recorded
+        _split_grid_calls(op, dtype_name, dtype, plans)
+
+
+def _split_grid_calls(op, dtype_name, dtype, plans):
     rs = cp.random.RandomState(_seed("split", op, dtype_name))
     clusters = 0
     for rows, hidden in ((300, 7), (200, 256), (21, 4096), (5, 65536), (37, 16384), (3, 262144)):
@@ -490,7 +486,7 @@ def test_first_call_of_a_signature_in_a_fresh_thread():
     out = _poisoned_like(x)
     rn.rms_norm(x, w, out=out)                     # compiled and cached here
     cp.cuda.Device().synchronize()
-    _api._launchers.clear()                        # the thread's call plans anew
+    _launcher.clear_cache()                        # the thread's call plans anew
     errors = []
 
     def call():

@@ -61,19 +61,19 @@ def _on_device(device, *host_arrays):
 @pytest.fixture
 def fresh_kernel_cache(monkeypatch):
     """An empty kernel cache (and no remembered launchers) that counts compiles per (device, expr)."""
-    from cupy_rmsnorm import _api, _kernels
-    monkeypatch.setattr(_kernels.kernels, "_functions", {})
-    if hasattr(_api, "_launchers"):          # launchers hold kernels: start without any
-        monkeypatch.setattr(_api, "_launchers", {})
+    from cupy_rmsnorm import _compile, _launcher
+    monkeypatch.setattr(_compile.kernel_cache, "_functions", {})
+    _launcher.clear_cache()                   # launchers hold kernels: start without any
     compiles = collections.Counter()
-    real_compile = _kernels._compile
+    real_compile = _compile._compile
 
-    def counting_compile(device_id, expr):
-        compiles[(device_id, expr)] += 1
-        return real_compile(device_id, expr)
+    def counting_compile(device_id, name):
+        compiles[(device_id, name)] += 1
+        return real_compile(device_id, name)
 
-    monkeypatch.setattr(_kernels, "_compile", counting_compile)
-    return compiles
+    monkeypatch.setattr(_compile, "_compile", counting_compile)
+    yield compiles
+    _launcher.clear_cache()
 
 
 # -- arrays on device 1 while device 0 is current --------------------------------------------
@@ -222,7 +222,7 @@ def test_torch_tensors_on_two_devices_are_refused_before_launch(misplaced, monke
 @requires_two_gpus
 def test_each_device_compiles_each_kernel_once(fresh_kernel_cache):
     import cupy
-    from cupy_rmsnorm import _kernels
+    from cupy_rmsnorm import _compile
     compiles = fresh_kernel_cache
     per_device = {}
     for device in (0, 1, 0, 1, 1, 0):          # back and forth, and again
@@ -239,9 +239,9 @@ def test_each_device_compiles_each_kernel_once(fresh_kernel_cache):
     assert all(n == 1 for n in compiles.values()), f"compiled more than once: {dict(compiles)}"
     assert per_device[0] == per_device[1] and len(per_device[0]) == 2   # the plain and the fused kernel
     # one cache entry per (device, instantiation), each bound to its own device
-    assert set(_kernels.kernels._functions) == set(compiles)
-    for expr in per_device[0]:
-        assert _kernels.kernels.get(0, expr) is not _kernels.kernels.get(1, expr)
+    assert set(_compile.kernel_cache._functions) == set(compiles)
+    for name in per_device[0]:
+        assert _compile.kernel_cache.get(0, name) is not _compile.kernel_cache.get(1, name)
     assert sum(compiles.values()) == len(compiles)
 
 

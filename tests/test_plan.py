@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _validate
+from cupy_rmsnorm import _layout
 from cupy_rmsnorm._plan import vector_width
 
 H200_SMS = 132
@@ -282,7 +282,7 @@ def _assert_addresses(shape, strides, layout_strides, n_inner):
 
 def _layout_of(*arrays):
     shape = arrays[0].shape
-    return _validate.row_layout(shape, [_elem_strides(a)[:-1] for a in arrays])
+    return _layout.row_layout(shape, [_elem_strides(a)[:-1] for a in arrays])
 
 
 def test_row_layout_contiguous():
@@ -391,7 +391,7 @@ def test_row_layout_no_common_split():
 
 
 def test_row_layout_none_input_stays_none():
-    lay = _validate.row_layout((4, 16), [(16,), None])
+    lay = _layout.row_layout((4, 16), [(16,), None])
     assert lay.strides[1] is None and lay.strides[0] == (16, 0)
 
 
@@ -441,7 +441,7 @@ def _rows_collide(so, si, rows, n_inner, hidden):
     ((100, 7), 8, 2, 8, True),        # inner stride too small
 ])
 def test_rows_overlap_themselves(strides, rows, n_inner, hidden, expected):
-    assert _validate.rows_overlap_themselves(strides, rows, n_inner, hidden) is expected
+    assert _layout.rows_overlap_themselves(strides, rows, n_inner, hidden) is expected
     assert _rows_collide(*strides, rows, n_inner, hidden) is expected
 
 
@@ -454,31 +454,31 @@ def test_rows_overlap_themselves_never_misses_a_collision():
         rows = n_inner * rng.randrange(1, 5)
         so, si = rng.randrange(-40, 41), rng.randrange(-40, 41)
         if _rows_collide(so, si, rows, n_inner, hidden):
-            assert _validate.rows_overlap_themselves((so, si), rows, n_inner, hidden), (so, si, rows, n_inner, hidden)
+            assert _layout.rows_overlap_themselves((so, si), rows, n_inner, hidden), (so, si, rows, n_inner, hidden)
 
 
 def test_rows_overlap_as_strided_output():
     buf = np.zeros(64, np.float16)
     bad = np.lib.stride_tricks.as_strided(buf, shape=(4, 16), strides=(0, 2))
     st = _elem_strides(bad)[:-1]
-    lay = _validate.row_layout(bad.shape, [st])
-    assert _validate.rows_overlap_themselves(lay.strides[0], lay.rows, lay.n_inner, 16)
+    lay = _layout.row_layout(bad.shape, [st])
+    assert _layout.rows_overlap_themselves(lay.strides[0], lay.rows, lay.n_inner, 16)
 
 
 # -- overlap --------------------------------------------------------------------------------
 
 def _span(a, rows, n_inner):
     """The (ptr, strides, extent) triple the API builds, from a real NumPy view."""
-    lay = _validate.row_layout(a.shape, [_elem_strides(a)[:-1]])
+    lay = _layout.row_layout(a.shape, [_elem_strides(a)[:-1]])
     assert lay.strides[0] is not None and lay.n_inner == n_inner
     ptr = a.__array_interface__["data"][0]
-    ext = _validate.extent(ptr, lay.strides[0], rows, n_inner, a.shape[-1], a.itemsize)
+    ext = _layout.extent(ptr, lay.strides[0], rows, n_inner, a.shape[-1], a.itemsize)
     return ptr, lay.strides[0], ext
 
 
 def _overlap(a, b):
-    lay = _validate.row_layout(a.shape, [_elem_strides(a)[:-1], _elem_strides(b)[:-1]])
-    return _validate.overlap(_span(a, lay.rows, lay.n_inner), _span(b, lay.rows, lay.n_inner),
+    lay = _layout.row_layout(a.shape, [_elem_strides(a)[:-1], _elem_strides(b)[:-1]])
+    return _layout.overlap(_span(a, lay.rows, lay.n_inner), _span(b, lay.rows, lay.n_inner),
                              lay.rows, lay.n_inner, a.shape[-1], a.itemsize)
 
 
@@ -500,10 +500,10 @@ def test_overlap_same_with_irrelevant_strides():
     """A level of one row may carry any stride: the arrays are still the very same rows."""
     p = 4096
     ext = (p, p + 16 * 4)
-    assert _validate.overlap((p, (5, 0), ext), (p, (7, 9), ext), 1, 1, 16, 4) == "same"
-    ext = _validate.extent(p, (64, 16), 4, 4, 16, 4)
-    assert _validate.overlap((p, (3, 16), ext), (p, (64, 16), ext), 4, 4, 16, 4) == "same"
-    assert _validate.overlap((p, (64, 3), ext), (p, (64, 16), ext), 4, 4, 16, 4) == "partial"
+    assert _layout.overlap((p, (5, 0), ext), (p, (7, 9), ext), 1, 1, 16, 4) == "same"
+    ext = _layout.extent(p, (64, 16), 4, 4, 16, 4)
+    assert _layout.overlap((p, (3, 16), ext), (p, (64, 16), ext), 4, 4, 16, 4) == "same"
+    assert _layout.overlap((p, (64, 3), ext), (p, (64, 16), ext), 4, 4, 16, 4) == "partial"
 
 
 def test_overlap_agrees_with_numpy_shares_memory():

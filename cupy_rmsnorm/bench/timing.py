@@ -19,8 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from .._driver import pdl_enabled
-from .._plan import max_cluster_for
+from .. import _driver
 
 GRAPH_TARGET_US = 5000.0   # aim for ~5 ms per replay: long against launch jitter, short overall
 COPY_BYTES = 1 << 30       # per buffer of the bandwidth copy: far past L2, so it measures HBM
@@ -65,8 +64,8 @@ def device_info():
     return {"device_id": dev.id, "gpu": name, "sm_count": props["multiProcessorCount"],
             "l2_bytes": props.get("l2CacheSize"), "memory_bytes": props.get("totalGlobalMem"),
             "compute_capability": f"{props['major']}.{props['minor']}",
-            "max_cluster": max_cluster_for(props["major"]),
-            "pdl": pdl_enabled(dev.id),
+            "max_cluster": _driver.device(dev.id).max_cluster,
+            "pdl": _driver.device(dev.id).pdl,
             "cuda_driver_api": version(cupy.cuda.runtime.driverGetVersion()),
             "cuda_runtime": version(cupy.cuda.runtime.runtimeGetVersion())}
 

@@ -1,10 +1,11 @@
-"""Kernel sources, NVRTC options and the per-device cache of compiled kernels.
+"""Compiling the CUDA templates: the source, NVRTC's options, and the per-device cache
+of compiled kernels.
 
 Two templates in ``kernels/rms_norm.cu`` (a block or a group per row, and a cluster per
 row); each (storage type, weight type, fused, vector width, threads per row, vectors per
-thread, edges, cluster size) is an instantiation, compiled the
-first time a call needs it on a device (CuPy's disk cache keeps the binary across
-processes) and kept here as a launchable function.
+thread, edges, cluster size) is an instantiation, compiled the first time a call needs
+it on a device (CuPy's disk cache keeps the binary across processes) and kept in
+``kernel_cache`` as a launchable function.
 """
 
 import functools
@@ -29,7 +30,7 @@ def kernel_source():
     raise FileNotFoundError("cupy_rmsnorm: kernels/rms_norm.cu is missing from the installation")
 
 
-def name_expression(dtype, weight_dtype, fused, plan):
+def instantiation_name(dtype, weight_dtype, fused, plan):
     """The C++ name of the instantiation a LaunchPlan needs, as NVRTC's name_expressions want it."""
     t = CUDA_TYPES[dtype]
     w = CUDA_TYPES[weight_dtype or dtype]
@@ -39,19 +40,42 @@ def name_expression(dtype, weight_dtype, fused, plan):
 
 
 def _has_header(folder):
-    return folder and os.path.isfile(os.path.join(folder, _HEADER))
+    return bool(folder) and os.path.isfile(os.path.join(folder, _HEADER))
+
+
+def _header_major(folder):
+    """The CUDA major version of a header folder (CUDART_VERSION), or None."""
+    try:
+        with open(os.path.join(folder, "cuda_runtime_api.h"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("#define CUDART_VERSION"):
+                    return int(line.split()[2]) // 1000
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _pathfinder_dir():
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        return find_nvidia_header_directory("cudart")
+    except Exception:  # noqa: BLE001 - absent or too old (CuPy 14 installs it): the list below
+        return None
 
 
 @functools.lru_cache(maxsize=None)
 def cuda_include_dirs(nvrtc_major=None):
     """A folder with the CUDA headers (cuda_fp16.h, cuda_bf16.h) for NVRTC.
 
-    NVRTC finds none by itself. Searched in order: CUDA_PATH / CUDA_HOME and the
-    toolkit CuPy found, then the NVIDIA wheels (``nvidia-cuda-runtime-cu12`` lays them
-    in ``nvidia/cuda_runtime/include``, the CUDA 13 wheels in ``nvidia/cu13/include``),
-    preferring headers of NVRTC's own major version.
+    NVRTC finds none by itself. Candidates, in order: what ``cuda.pathfinder`` finds
+    for the CUDA runtime (CuPy 14 installs it; it looks at the NVIDIA wheels, conda,
+    CUDA_PATH / CUDA_HOME), CUDA_PATH / CUDA_HOME and the toolkit CuPy found, the
+    NVIDIA wheels (``nvidia-cuda-runtime-cu12`` lays them in ``nvidia/cuda_runtime/include``,
+    the CUDA 13 wheels in ``nvidia/cu13/include``) and /usr/local/cuda. The first one of
+    NVRTC's own major version wins (another major's headers may not compile with it);
+    failing that, the first one with the headers.
     """
-    candidates = []
+    candidates = [_pathfinder_dir()]
     for var in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "include"))
@@ -60,24 +84,20 @@ def cuda_include_dirs(nvrtc_major=None):
         path = cupy.cuda.get_cuda_path()
         if path:
             candidates.append(os.path.join(path, "include"))
-    except Exception:  # CuPy without a usable CUDA: the wheels below may still do
+    except Exception:  # noqa: BLE001 - CuPy without a usable CUDA: the wheels below may still do
         pass
     try:
         import nvidia
         for root in nvidia.__path__:
-            wheels = sorted(glob.glob(os.path.join(root, "cu*", "include")))
-            wheels.append(os.path.join(root, "cuda_runtime", "include"))
-            if nvrtc_major is not None:  # same major as NVRTC first
-                wheels.sort(key=lambda p: f"cu{nvrtc_major}" not in p and not (
-                    nvrtc_major == 12 and "cuda_runtime" in p))
-            candidates.extend(wheels)
+            candidates.extend(sorted(glob.glob(os.path.join(root, "cu*", "include"))))
+            candidates.append(os.path.join(root, "cuda_runtime", "include"))
     except ImportError:
         pass
     candidates.append("/usr/local/cuda/include")
-    for folder in candidates:
-        if _has_header(folder):
-            return (folder,)
-    return ()
+    found = [c for c in dict.fromkeys(candidates) if _has_header(c)]
+    if nvrtc_major is not None:
+        found.sort(key=lambda c: _header_major(c) != nvrtc_major)   # stable: order kept otherwise
+    return tuple(found[:1])
 
 
 def nvrtc_options(nvrtc_major=None):
@@ -91,33 +111,33 @@ class KernelCache:
         self._functions = {}
         self._lock = threading.Lock()
 
-    def get(self, device_id, expr):
-        key = (device_id, expr)
+    def get(self, device_id, name):
+        key = (device_id, name)
         fn = self._functions.get(key)
         if fn is None:
             with self._lock:
                 fn = self._functions.get(key)
                 if fn is None:
-                    fn = self._functions[key] = _compile(device_id, expr)
+                    fn = self._functions[key] = _compile(device_id, name)
         return fn
 
     def __len__(self):
         return len(self._functions)
 
 
-def _compile(device_id, expr):
+def _compile(device_id, name):
     import cupy
     from cupy_backends.cuda.libs import nvrtc
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(code=kernel_source(), options=nvrtc_options(nvrtc.getVersion()[0]),
-                                name_expressions=[expr])
-        return module.get_function(expr).kernel  # the cupy.cuda.Function, bound to this device
+                                name_expressions=[name])
+        return module.get_function(name).kernel  # the cupy.cuda.Function, bound to this device
 
 
-kernels = KernelCache()
+kernel_cache = KernelCache()
 
 
-def compile_offline(exprs, arch):
+def compile_offline(names, arch):
     """Compile instantiations with NVRTC for ``arch`` (e.g. "sm_90") without a GPU or driver.
 
     Used by the CPU tests: CuPy's own compile path asks the device for its
@@ -127,15 +147,15 @@ def compile_offline(exprs, arch):
     from cupy_backends.cuda.libs import nvrtc
     prog = nvrtc.createProgram(kernel_source(), "rms_norm.cu", [], [])
     try:
-        for e in exprs:
-            nvrtc.addNameExpression(prog, e)
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
         opts = list(nvrtc_options(nvrtc.getVersion()[0])) + [f"-arch={arch}", "-ftz=true"]
         try:
             nvrtc.compileProgram(prog, opts)
         except Exception as err:
             raise RuntimeError(f"NVRTC failed for {arch}: {err}\n{nvrtc.getProgramLog(prog)}") from None
-        for e in exprs:
-            nvrtc.getLoweredName(prog, e)  # raises if the expression did not instantiate
+        for name in names:
+            nvrtc.getLoweredName(prog, name)  # raises if the expression did not instantiate
         return nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)

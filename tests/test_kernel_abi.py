@@ -1,0 +1,42 @@
+"""The kernel's Params struct and Flags enum against their Python mirror (_launcher),
+read from the CUDA source, so the two sides cannot drift apart unnoticed."""
+
+import re
+
+from cupy_rmsnorm import _launcher
+from cupy_rmsnorm._compile import kernel_source
+
+_SIZES = {"long long": 8, "int": 4, "float": 4, "RowStrides": 16}
+
+
+def _struct_fields(source, name):
+    body = re.search(r"struct %s \{(.*?)\};" % name, source, re.S).group(1)
+    fields = []
+    for line in body.split(";"):
+        line = line.split("//")[0].strip()
+        if not line:
+            continue
+        m = re.match(r"(long long|int|float|RowStrides)\s+(.*)", line)
+        assert m, f"unexpected Params line: {line!r}"
+        fields += [(f.strip(), m.group(1)) for f in m.group(2).split(",")]
+    return fields
+
+
+def test_params_match_the_kernel():
+    src = kernel_source()
+    size = int(re.search(r"static_assert\(sizeof\(Params\) == (\d+)", src).group(1))
+    assert size == _launcher.PARAMS_BYTES == _launcher.PARAMS_DTYPE.itemsize
+    fields = _struct_fields(src, "Params")
+    dtype = _launcher.PARAMS_DTYPE
+    assert [f for f, _ in fields] == list(dtype.names)
+    for name, ctype in fields:
+        assert dtype.fields[name][0].itemsize == _SIZES[ctype], name
+    assert [f for f, _ in _struct_fields(src, "RowStrides")] == ["outer", "inner"]
+    offsets = [dtype.fields[n][1] for n in dtype.names]
+    assert offsets == sorted(offsets) and sum(_SIZES[t] for _, t in fields) == size   # no padding
+
+
+def test_flags_match_the_kernel():
+    body = re.search(r"enum Flags \{(.*?)\};", kernel_source(), re.S).group(1)
+    flags = {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
+    assert flags == _launcher.FLAGS
