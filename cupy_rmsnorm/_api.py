@@ -7,7 +7,7 @@ launch on the caller's stream -> results as the caller's array type.
 
 from . import _interop, _launcher, _validate
 from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
-from ._layout import OUT, RESIDUAL_OUT, Arrays, call_layout
+from ._layout import OUT, OUTPUTS, RESIDUAL_OUT, Arrays, call_layout
 from ._reference import fused_add_rms_norm_reference, rms_norm_reference
 
 
@@ -72,20 +72,27 @@ def _call(fused, arrays, eps, weight_offset, casting_mode):
 def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
     """Validate everything, then run (and remember a Launcher for the signature)."""
     arrays = Arrays._make(arrays)
+    if fused and arrays.residual is None:
+        raise TypeError("residual must be an array of x's shape and dtype, got None")
     scalars = _validate.check_scalars(eps, weight_offset, casting_mode, arrays.weight is not None)
     kind = _interop.kind_of(arrays.x, "x")
     for name, a in zip(Arrays._fields[1:], arrays[1:]):
         if a is not None and _interop.kind_of(a, name) is not kind:
             raise TypeError(f"{name} must be the same kind of array as x ({kind.name}), "
                             f"got {type(a).__module__}.{type(a).__name__}")
+    if kind is not NumpyKind:
+        _interop.require_cupy()
     if kind is DlpackKind:   # any CUDA DLPack producer: zero-copy CuPy views in, CuPy arrays out
         arrays = Arrays(*(None if a is None else kind.to_cupy(a, name) for name, a in zip(Arrays._fields, arrays)))
         kind, signature = CupyKind, None
-    elif kind is TorchKind:
+    resolved = arrays
+    if kind is TorchKind:
         _check_torch(arrays)
-    metas = Arrays(*(None if a is None else kind.meta(a) for a in arrays))
+        resolved = Arrays(*(None if a is None else kind.resolve(a, name) for name, a in zip(Arrays._fields, arrays)))
+    metas = Arrays(*(None if a is None else kind.meta(a) for a in resolved))
     _validate.check_arrays(metas)
-    arrays, layout = call_layout(kind, fused, arrays, metas)
+    copied = any(a is not b for a, b in zip(arrays, resolved))
+    arrays, layout = call_layout(kind, fused, resolved, metas, copied)
     if kind is NumpyKind:
         return _run_numpy(arrays, scalars, fused)
     launcher = _launcher.Launcher(layout, scalars, kind)
@@ -96,12 +103,16 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
 
 def _check_torch(arrays):
     import torch
-    for name, t in zip(Arrays._fields, arrays):
+    for k, (name, t) in enumerate(zip(Arrays._fields, arrays)):
         if t is None:
             continue
         if t.device.type != "cuda":
             raise ValueError(f"{name} is a torch tensor on {t.device}; pass CUDA tensors "
                              f"(tensor.cuda()) or NumPy arrays (tensor.numpy()) for the CPU path")
+        if k in OUTPUTS and t.layout == torch.strided and (t.is_neg() or t.is_conj()):
+            raise ValueError(f"{name} has torch's lazy negation (or conjugation) bit set, so its memory "
+                             f"holds the values without the sign; pass a plain tensor "
+                             f"({name}.resolve_neg() makes one)")
         if t.requires_grad and torch.is_grad_enabled():
             raise RuntimeError(f"{name} requires grad, and cupy_rmsnorm is forward-only (no backward "
                                f"yet): call it under torch.no_grad() / torch.inference_mode(), pass "

@@ -71,19 +71,51 @@ def device(index):
     return d
 
 
+_DRIVER_LIBRARIES = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
+
+
+def _driver_library():
+    """The loaded CUDA driver library, or None when this machine has no NVIDIA driver."""
+    for name in _DRIVER_LIBRARIES:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def gpu_missing():
+    """None when a CUDA GPU is usable through CuPy, else a one-line reason (never raises)."""
+    if _driver_library() is None:
+        return "no NVIDIA driver or GPU found (the CUDA driver library libcuda cannot be loaded)"
+    try:
+        import cupy
+    except Exception as e:  # noqa: BLE001 - any import failure means no GPU path
+        return (f"CuPy is not importable ({type(e).__name__}: {e}); pip install "
+                f"'cupy-rmsnorm[cuda12]' or 'cupy-rmsnorm[cuda13]'")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no device, CUDA_VISIBLE_DEVICES="", an old driver
+        return f"{type(e).__name__}: {e}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if n > 0 else "no CUDA GPU found (device count 0" + (
+        f"; CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ")")
+
+
 def _load_launch_ex():
     global _launch_ex
     if _launch_ex is None:
         _launch_ex = False
-        for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        lib = _driver_library()
+        if lib is not None:
             try:
-                fn = getattr(ctypes.CDLL(name), "cuLaunchKernelEx")
-            except (OSError, AttributeError):
-                continue
-            fn.argtypes = [ctypes.c_void_p] * 4
-            fn.restype = ctypes.c_int
-            _launch_ex = fn
-            break
+                fn = lib.cuLaunchKernelEx
+            except AttributeError:    # a driver older than CUDA 12.0
+                fn = None
+            if fn is not None:
+                fn.argtypes = [ctypes.c_void_p] * 4
+                fn.restype = ctypes.c_int
+                _launch_ex = fn
     return _launch_ex
 
 

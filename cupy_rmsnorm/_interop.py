@@ -19,6 +19,7 @@ class Meta(NamedTuple):
     dtype: str          # "float32" | "float16" | "bfloat16" | anything else, rejected later
     itemsize: int
     device: int         # CUDA device index; -1 on the host
+    writeable: bool = True
 
 
 def _dtype_name(dtype):
@@ -39,10 +40,18 @@ class NumpyKind:
     @staticmethod
     def meta(a):
         return Meta(a.__array_interface__["data"][0], a.shape, _elem_strides(a.strides, a.itemsize),
-                    _dtype_name(a.dtype), a.itemsize, -1)
+                    _dtype_name(a.dtype), a.itemsize, -1, bool(a.flags.writeable))
+
+    @staticmethod
+    def resolve(a, arg):
+        return a
 
     @staticmethod
     def requires_grad(a):
+        return False
+
+    @staticmethod
+    def is_inference(a):
         return False
 
     @staticmethod
@@ -57,8 +66,14 @@ class CupyKind:
 
     @staticmethod
     def meta(a):
+        # CuPy 14 has no read-only arrays; a later CuPy's flags.writeable is honoured
         return Meta(a.data.ptr, a.shape, _elem_strides(a.strides, a.itemsize),
-                    _dtype_name(a.dtype), a.itemsize, a.data.device_id)
+                    _dtype_name(a.dtype), a.itemsize, a.data.device_id,
+                    bool(getattr(a.flags, "writeable", True)))
+
+    @staticmethod
+    def resolve(a, arg):
+        return a
 
     @staticmethod
     def ptr(a):
@@ -69,7 +84,15 @@ class CupyKind:
         return False
 
     @staticmethod
+    def is_inference(a):
+        return False
+
+    @staticmethod
     def grad_enabled():
+        return False
+
+    @staticmethod
+    def inference_mode():
         return False
 
     @staticmethod
@@ -105,8 +128,23 @@ class TorchKind:
         dt = t.dtype
         name = cls._dtype_map().get(dt) or str(dt).replace("torch.", "")
         dev = t.device
+        # an inference tensor can be written only in inference mode (torch's own rule)
+        writeable = not (t.is_inference() and not sys.modules["torch"].is_inference_mode_enabled())
         return Meta(t.data_ptr(), tuple(t.shape), tuple(t.stride()), name, t.element_size(),
-                    dev.index if dev.type == "cuda" else -1)
+                    dev.index if dev.type == "cuda" else -1, writeable)
+
+    @staticmethod
+    def resolve(t, arg):
+        """``t`` as plain strided memory: TypeError for a sparse (or other non-strided)
+        tensor; a tensor with the lazy negation or conjugation bit comes back resolved (a
+        copy), since its memory holds the values without the sign."""
+        torch = sys.modules["torch"]
+        if t.layout != torch.strided:
+            raise TypeError(f"{arg} is a {t.layout} tensor; pass a dense (strided) tensor, "
+                            f"e.g. {arg}.to_dense()")
+        if t.is_neg() or t.is_conj():
+            return t.resolve_conj().resolve_neg()
+        return t
 
     @staticmethod
     def ptr(t):
@@ -119,6 +157,14 @@ class TorchKind:
     @staticmethod
     def grad_enabled():
         return sys.modules["torch"].is_grad_enabled()
+
+    @staticmethod
+    def inference_mode():
+        return sys.modules["torch"].is_inference_mode_enabled()
+
+    @staticmethod
+    def is_inference(t):
+        return t.is_inference()
 
     @staticmethod
     def empty(shape, like):
@@ -146,12 +192,30 @@ class DlpackKind:
     @staticmethod
     def to_cupy(obj, arg):
         """A CuPy view of a foreign CUDA array (zero copy)."""
-        dev_type, _ = obj.__dlpack_device__()
-        if int(dev_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+        device = obj.__dlpack_device__()
+        try:
+            dev_type, _ = device
+            dev_type = int(dev_type)
+        except (TypeError, ValueError):
+            raise TypeError(f"{arg}.__dlpack_device__() must return (device type, device id), "
+                            f"got {device!r}") from None
+        if dev_type not in (2, 13):  # kDLCUDA, kDLCUDAManaged
             raise ValueError(f"{arg} lives on a non-CUDA device (DLPack device type {int(dev_type)}); "
                              f"pass a CUDA array or a NumPy array")
         import cupy
         return cupy.from_dlpack(obj)
+
+
+def require_cupy():
+    """ImportError saying what to install when GPU arrays arrive without CuPy."""
+    if sys.modules.get("cupy") is not None:
+        return
+    try:
+        import cupy  # noqa: F401
+    except ImportError as e:
+        raise ImportError("cupy_rmsnorm runs GPU arrays through CuPy, which is not installed "
+                          f"({e}): pip install 'cupy-rmsnorm[cuda12]' (CUDA 12) or "
+                          "'cupy-rmsnorm[cuda13]' (CUDA 13)") from None
 
 
 def kind_of(obj, arg="x"):
@@ -176,7 +240,9 @@ def _cupy_signature(a):
 
 
 def _torch_signature(t):
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
+    # is_neg: such a tensor's memory lacks the sign (resolved on the full path);
+    # is_inference: whether it may be written outside inference mode
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad, t.is_neg(), t.is_inference())
 
 
 _SIGNATURES = {}   # type of x -> (what a Launcher depends on of an array, is it x's kind)
@@ -200,11 +266,14 @@ def signature(fused, arrays, eps, weight_offset, casting_mode):
             return None
     sig_of, same_kind = entry
     key = [type(x), fused, eps, weight_offset, casting_mode]
-    for a in arrays:
-        if a is None:
-            key.append(None)
-        elif same_kind(a):
-            key.append(sig_of(a))
-        else:                  # another kind of array in the mix: the full path says what
-            return None
+    try:
+        for a in arrays:
+            if a is None:
+                key.append(None)
+            elif same_kind(a):
+                key.append(sig_of(a))
+            else:              # another kind of array in the mix: the full path says what
+                return None
+    except RuntimeError:       # a sparse tensor has no strides, say: the full path says what
+        return None
     return tuple(key)

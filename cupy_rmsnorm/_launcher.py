@@ -105,6 +105,7 @@ class Launcher:
         row_strides = layout.row_strides
         self.given_outputs = layout.given_outputs
         self.grad_check = layout.requires_grad      # then the full path decides while grad mode is on
+        self.inference_check = layout.inference_outputs   # and outside inference mode
         self.others = (RESIDUAL, OUT, RESIDUAL_OUT) if self.fused else (OUT,)  # must follow x's alignment
         self.extents = layout.extents
         # with the pointer differences, the stride differences from x decide the vector width
@@ -194,6 +195,8 @@ class Launcher:
         ``checked``: the full path has just validated these very arrays.
         """
         if self.grad_check and self.kind.grad_enabled():
+            return None
+        if self.inference_check and not self.kind.inference_mode():
             return None
         if self._get_device() == self.device.index:
             return self._run(arrays, checked)

@@ -39,6 +39,7 @@ class CallLayout(NamedTuple):
       relative to its pointer. given_outputs: positions of the outputs the caller passed.
     copied: an input was copied to a contiguous temporary (no fast path for such calls).
     requires_grad: an array is a tensor that requires grad (autograd must see such calls).
+    inference_outputs: a given output is an inference tensor (writeable in inference mode only).
     """
     fused: bool
     shape: tuple
@@ -54,18 +55,19 @@ class CallLayout(NamedTuple):
     given_outputs: tuple
     copied: bool
     requires_grad: bool
+    inference_outputs: bool
 
     @property
     def hidden(self):
         return self.shape[-1]
 
 
-def call_layout(kind, fused, arrays, metas):
+def call_layout(kind, fused, arrays, metas, copied=False):
     """The CallLayout of a validated call, and its arrays (inputs the kernel cannot read
     in place replaced by contiguous copies). ValueError for outputs that cannot be
-    written as laid out, or that overlap what they must not."""
+    written as laid out, or that overlap what they must not. ``copied``: the caller has
+    already replaced an input by a copy."""
     arrays, metas = list(arrays), list(metas)
-    copied = False
 
     def copy(k):
         nonlocal copied
@@ -119,7 +121,8 @@ def call_layout(kind, fused, arrays, metas):
     result = CallLayout(fused, tuple(xm.shape), rows, n_inner, xm.dtype, itemsize,
                         wm.dtype if wm else None, wm.itemsize if wm else 0, xm.device,
                         Arrays(*strides), Arrays(*extents), tuple(outputs), copied,
-                        any(kind.requires_grad(a) for a in arrays if a is not None))
+                        any(kind.requires_grad(a) for a in arrays if a is not None),
+                        any(kind.is_inference(arrays[k]) for k in outputs))
     check_overlap(result, Arrays(*metas))
     return Arrays(*arrays), result
 
@@ -146,18 +149,40 @@ def check_overlap(layout, metas):
     for k in layout.given_outputs:
         if rows_overlap_themselves(layout.row_strides[k], layout.rows, layout.n_inner, layout.hidden):
             raise ValueError(f"{names[k]} has rows that overlap each other in memory (a broadcast or "
-                             f"too-small stride); it cannot be written")
-    if len(layout.given_outputs) == 2 and overlap(span(OUT), span(RESIDUAL_OUT), *args):
-        raise ValueError("out and residual_out must not share memory")
+                             f"too-small stride), or may: its strides were refused as possibly "
+                             f"overlapping; it cannot be written")
+    if len(layout.given_outputs) == 2:
+        found = overlap(span(OUT), span(RESIDUAL_OUT), *args)
+        if found:
+            raise ValueError("out and residual_out must not share memory" + _MAYBE.get(found, ""))
     for k in layout.given_outputs:
         if metas[WEIGHT] is not None:
-            (wlo, whi), (lo, hi) = span(WEIGHT)[2], span(k)[2]
-            if not (whi <= lo or hi <= wlo):
-                raise ValueError(f"{names[k]} overlaps weight; weight is read by every row")
+            found = _weight_overlap(span(k), metas[WEIGHT], layout)
+            if found:
+                raise ValueError(f"{names[k]} overlaps weight; weight is read by every row" + _MAYBE.get(found, ""))
         for i in INPUTS:
-            if metas[i] is not None and overlap(span(k), span(i), *args) == "partial":
+            found = overlap(span(k), span(i), *args) if metas[i] is not None else None
+            if found in ("partial", "maybe"):
                 raise ValueError(f"{names[k]} partially overlaps {names[i]}: pass the very same array "
-                                 f"({names[k]}={names[i]}) to work in place, or memory apart from it")
+                                 f"({names[k]}={names[i]}) to work in place, or memory apart from it"
+                                 + _MAYBE.get(found, ""))
+
+
+_MAYBE = {"maybe": " (the layouts were refused as possibly overlapping: proving them apart took "
+                   "too long)"}
+
+
+def _weight_overlap(out_span, wm, layout):
+    """Whether an output's rows share memory with the weight vector (None, 'partial', 'maybe')."""
+    (po, so, (lo, hi)), (wlo, whi) = out_span, (wm.ptr, wm.ptr + layout.hidden * wm.itemsize)
+    if whi <= lo or hi <= wlo:
+        return None
+    fo = _fake_numpy(po, so, layout.rows, layout.n_inner, layout.hidden, layout.itemsize)
+    fw = _fake_numpy(wm.ptr, (0, 0), 1, 1, layout.hidden, wm.itemsize)
+    try:
+        return "partial" if np.shares_memory(fo, fw, max_work=10**6) else None
+    except _TooHardError:
+        return "maybe"
 
 
 class RowLayout(NamedTuple):
@@ -248,7 +273,8 @@ def _fake_numpy(ptr, layout_strides, rows, n_inner, hidden, itemsize):
 
 
 def overlap(a, b, rows, n_inner, hidden, itemsize):
-    """'same' if a and b are the very same rows, 'partial' if they share memory otherwise, else None.
+    """'same' if a and b are the very same rows, 'partial' if they share memory otherwise,
+    'maybe' if that could not be settled in bounded work, else None.
 
     a and b are (ptr, (outer stride, inner stride), extent) triples.
     """
@@ -264,4 +290,4 @@ def overlap(a, b, rows, n_inner, hidden, itemsize):
     try:
         return "partial" if np.shares_memory(fa, fb, max_work=10**6) else None
     except _TooHardError:
-        return "partial"
+        return "maybe"

@@ -23,7 +23,15 @@ CASTING_MODES = ("fp32", "llama")
 
 
 def rms_norm_reference(x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32"):
-    """``rms_norm`` over the last axis of a NumPy array, following the contract above."""
+    """``rms_norm`` over the last axis of a NumPy array, following the contract above.
+
+    Infinities and NaNs come out as IEEE arithmetic makes them (an all-zero row with
+    eps=0 gives NaN), quietly, as from the GPU kernels: no RuntimeWarning."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
+        return _rms_norm(x, weight, eps, weight_offset, casting_mode)
+
+
+def _rms_norm(x, weight, eps, weight_offset, casting_mode):
     dtype = x.dtype
     xf = np.asarray(x, dtype=np.float32)
     sumsq = np.sum(xf * xf, axis=-1, keepdims=True, dtype=np.float32)
@@ -40,5 +48,6 @@ def rms_norm_reference(x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode
 def fused_add_rms_norm_reference(x, residual, weight=None, eps=1e-6, weight_offset=0.0,
                                  casting_mode="fp32"):
     """``(rms_norm(round(x + residual)), round(x + residual))`` in NumPy."""
-    summed = (np.asarray(x, dtype=np.float32) + np.asarray(residual, dtype=np.float32)).astype(x.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        summed = (np.asarray(x, dtype=np.float32) + np.asarray(residual, dtype=np.float32)).astype(x.dtype)
     return rms_norm_reference(summed, weight, eps, weight_offset, casting_mode), summed

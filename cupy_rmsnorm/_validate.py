@@ -8,10 +8,12 @@ Row layout and overlap are ``_layout``'s.
 import math
 from typing import NamedTuple
 
-from ._layout import Arrays, ROWS, WEIGHT, X
+from ._layout import OUTPUTS, ROWS, WEIGHT, X, Arrays
 from ._reference import CASTING_MODES
 
 DTYPES = ("float32", "float16", "bfloat16")
+MAX_HIDDEN = 2 ** 31 - 1                 # the kernels index a row with an int
+FLOAT32_MAX = 3.4028234663852886e38     # the kernels take eps and weight_offset as float32
 
 
 class Scalars(NamedTuple):
@@ -25,21 +27,26 @@ class Scalars(NamedTuple):
         return "llama" if self.llama else "fp32"
 
 
+def _float32_scalar(value, name, what):
+    """``value`` as a Python float that is finite in float32, or TypeError / ValueError."""
+    try:
+        f = float(value)
+    except OverflowError:        # an int past the float range
+        f = math.inf
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+    if not math.isfinite(f) or abs(f) > FLOAT32_MAX or (what and f < 0):
+        raise ValueError(f"{name} must be finite{what} in float32 (|{name}| <= {FLOAT32_MAX:.4g}), "
+                         f"got {value!r}")
+    return f
+
+
 def check_scalars(eps, weight_offset, casting_mode, has_weight):
-    if casting_mode not in CASTING_MODES:
+    # a string check first: `in` on an array would ask for its truth value
+    if not isinstance(casting_mode, str) or casting_mode not in CASTING_MODES:
         raise ValueError(f"casting_mode must be 'fp32' or 'llama', got {casting_mode!r}")
-    try:
-        eps_f = float(eps)
-    except (TypeError, ValueError):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}") from None
-    if not math.isfinite(eps_f) or eps_f < 0:
-        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
-    try:
-        off = float(weight_offset)
-    except (TypeError, ValueError):
-        raise TypeError(f"weight_offset must be a real number, got {type(weight_offset).__name__}") from None
-    if not math.isfinite(off):
-        raise ValueError(f"weight_offset must be finite, got {weight_offset!r}")
+    eps_f = _float32_scalar(eps, "eps", " and >= 0")
+    off = _float32_scalar(weight_offset, "weight_offset", "")
     if off != 0.0 and not has_weight:
         raise ValueError("weight_offset needs a weight: with weight=None nothing is scaled")
     return Scalars(eps_f, off, casting_mode == "llama")
@@ -55,6 +62,8 @@ def check_arrays(metas):
         raise ValueError("x must have at least one dimension, got a 0-d array")
     if xm.shape[-1] == 0:
         raise ValueError("x has hidden size 0 (its last axis is empty); there is nothing to normalize")
+    if xm.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"x has hidden size {xm.shape[-1]}; at most {MAX_HIDDEN} (2**31 - 1) is supported")
     for k in ROWS[1:]:
         m = metas[k]
         if m is None:
@@ -73,3 +82,7 @@ def check_arrays(metas):
         if m is not None and m.device != xm.device:
             raise ValueError(f"{name} is on device {m.device} but x is on device {xm.device}; "
                              f"all arrays must be on one device")
+    for k in OUTPUTS:
+        if metas[k] is not None and not metas[k].writeable:
+            raise ValueError(f"{names[k]} is read-only (for a torch inference tensor: writeable only "
+                             f"inside torch.inference_mode()); pass a writeable {names[k]}")

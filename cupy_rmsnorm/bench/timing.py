@@ -29,15 +29,7 @@ WARMUP_CALLS = 3
 
 def gpu_missing():
     """None when CuPy sees a CUDA GPU, else a one-line reason (never raises)."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001 - any import failure means no GPU path
-        return f"CuPy is not importable ({type(e).__name__}: {e})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - no driver, no device, CUDA_VISIBLE_DEVICES=""
-        return f"{type(e).__name__}: {e}"
-    return None if n > 0 else "the CUDA device count is 0"
+    return _driver.gpu_missing()
 
 
 def median(values):
