@@ -70,7 +70,8 @@ def test_fused_without_residual_names_it():
 
 
 @pytest.mark.parametrize("name", ["eps", "weight_offset"])
-@pytest.mark.parametrize("value", [10 ** 400, -10 ** 400, 1e39, -1e39, 3.5e38])
+@pytest.mark.parametrize("value", [10 ** 400, -10 ** 400, 1e39, -1e39, 3.5e38],
+                         ids=["1e400-int", "-1e400-int", "1e39", "-1e39", "3.5e38"])
 def test_scalars_must_be_finite_in_float32(name, value):
     x, w = rand((2, 8)), rand(8, seed=2)
     with pytest.raises(ValueError, match=rf"^{name} must be finite"):
