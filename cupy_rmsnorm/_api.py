@@ -5,6 +5,8 @@ overlap; nothing launched or written on error) -> launch plan -> kernel cache ->
 launch on the caller's stream -> results as the caller's array type.
 """
 
+import sys
+
 from . import _interop, _launcher, _validate
 from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
 from ._layout import OUT, OUTPUTS, RESIDUAL_OUT, Arrays, call_layout
@@ -56,9 +58,20 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, out=None, residual
     return _call(True, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
 
 
+# torch.compiler.is_compiling once torch ops are registered (_torch_ops): while dynamo
+# traces, a call becomes the registered op instead of this module's Python.
+_compiling = None
+
+
 def _call(fused, arrays, eps, weight_offset, casting_mode):
     """``arrays``: the five in ``Arrays`` order, as a plain tuple (naming them costs a
     NamedTuple's construction, about 0.3 us, on every call; the full path names them)."""
+    if _compiling is not None and _compiling():
+        return sys.modules["cupy_rmsnorm._torch_ops"].call(fused, arrays, eps, weight_offset, casting_mode)
+    return _direct_call(fused, arrays, eps, weight_offset, casting_mode)
+
+
+def _direct_call(fused, arrays, eps, weight_offset, casting_mode):
     # Fast path: a signature seen before needs only the pointer-dependent checks.
     signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
     launcher = _launcher.lookup(signature)
@@ -87,6 +100,7 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
         kind, signature = CupyKind, None
     resolved = arrays
     if kind is TorchKind:
+        register_torch_ops()
         _check_torch(arrays)
         resolved = Arrays(*(None if a is None else kind.resolve(a, name) for name, a in zip(Arrays._fields, arrays)))
     metas = Arrays(*(None if a is None else kind.meta(a) for a in resolved))
@@ -119,6 +133,17 @@ def _check_torch(arrays):
                                f"{name}.detach(), or for a model's weights call model.requires_grad_(False)")
 
 
+def register_torch_ops():
+    """Register the torch ops (once torch is in use) and route calls made while
+    torch.compile traces to them."""
+    global _compiling
+    if _compiling is None:
+        import torch
+        from . import _torch_ops  # noqa: F401 - the import registers them
+        # is_dynamo_compiling: a plain `return False` in eager (cheaper than is_compiling)
+        _compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
 def _run_numpy(arrays, scalars, fused):
     """The reference on the CPU, stored into the given outputs."""
     x, residual, weight = arrays.x, arrays.residual, arrays.weight
@@ -134,3 +159,7 @@ def _store(dest, value):
         return value
     dest[...] = value
     return dest
+
+
+if "torch" in sys.modules:     # torch is already in use: tracing must find the ops from the start
+    register_torch_ops()

@@ -6,21 +6,28 @@
         y = norm(x)
     n = rnt.patch_hf_rmsnorm(model)        # swap a transformers model's RMSNorm modules
 
-Importing this submodule imports torch; ``import cupy_rmsnorm`` alone never does.
+Importing this submodule imports torch (and registers the library's torch ops);
+``import cupy_rmsnorm`` alone never does.
 
-The modules are forward-only, like the library: they run on CUDA tensors under
-``torch.no_grad()`` / ``torch.inference_mode()`` (which ``model.generate`` uses). With
-grad mode on, a weight that requires grad is a RuntimeError rather than a silent
-detach; set ``weight.requires_grad_(False)`` to run them with grad mode on.
+Under torch.compile (``fullgraph=True`` included) each norm is one registered op
+(``torch.ops.cupy_rmsnorm.*``, see ``cupy_rmsnorm._torch_ops``): dynamo traces no
+library Python, and CUDA graphs capture the launches. The modules are forward-only,
+like the library: they run on CUDA tensors under ``torch.no_grad()`` /
+``torch.inference_mode()`` (which ``model.generate`` uses). With grad mode on, a weight
+that requires grad is a RuntimeError rather than a silent detach; set
+``weight.requires_grad_(False)`` to run them with grad mode on.
 """
 
+import inspect
 import warnings
 
 import torch
 from torch import nn
 
-from ._api import fused_add_rms_norm, rms_norm
+from ._api import fused_add_rms_norm, register_torch_ops, rms_norm
 from ._validate import check_scalars
+
+register_torch_ops()
 
 __all__ = ["RMSNorm", "FusedAddRMSNorm", "patch_hf_rmsnorm"]
 
@@ -65,11 +72,17 @@ class RMSNorm(_NormBase):
         dtype, device: of the weight. The weight may be x's dtype or float32.
 
     ``forward(x)`` returns a new tensor of x's shape, dtype and device.
+    ``add_and_norm(x, residual)`` returns ``(forward(x + residual), x + residual)`` in one
+    kernel (the sum rounded to x's dtype first, as the unfused pair computes it).
     """
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps, weight_offset=self.weight_offset,
                         casting_mode=self.casting_mode)
+
+    def add_and_norm(self, x, residual):
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, weight_offset=self.weight_offset,
+                                  casting_mode=self.casting_mode)
 
 
 class FusedAddRMSNorm(_NormBase):
@@ -163,7 +176,53 @@ def _require_cuda(found):
                              f"CUDA tensors only, so move the model first (model.cuda())")
 
 
-def patch_hf_rmsnorm(model):
+# -- residual add + norm inside a decoder layer -------------------------------------------------
+
+# The decoder layers fuse_residual rewrites: exactly these children (Llama, Mistral, Qwen2/3
+# and other models generated from Llama's layer), and a forward of Llama's arguments.
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_LAYER_ARGUMENTS = {"self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
+                    "use_cache", "cache_position", "position_embeddings", "kwargs"}
+
+
+def _fusable_layer(module):
+    if {name for name, _ in module.named_children()} != _LAYER_CHILDREN:
+        return False
+    if not all(isinstance(getattr(module, n), RMSNorm) for n in ("input_layernorm", "post_attention_layernorm")):
+        return False
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return next(iter(params), None) == "self" and "hidden_states" in params and set(params) <= _LAYER_ARGUMENTS
+
+
+def _fused_residual_forward(self, hidden_states, **kwargs):
+    """A Llama decoder layer with its attention residual add and post-attention norm as one
+    fused op: ``(norm(attn + residual), attn + residual)``. The layer's input is left
+    untouched (HF may keep it as a recorded hidden state), so the op is the out-of-place form."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    hidden_states, residual = self.post_attention_layernorm.add_and_norm(hidden_states, residual)
+    hidden_states = self.mlp(hidden_states)
+    return residual + hidden_states
+
+
+def _fuse_residuals(model):
+    """Rewrite the forward of every fusable decoder layer (an instance attribute, so the
+    class and other models are untouched); returns how many."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, "_cupy_rmsnorm_fused", False) or not _fusable_layer(module):
+            continue
+        module.forward = _fused_residual_forward.__get__(module)
+        module._cupy_rmsnorm_fused = True
+        count += 1
+    return count
+
+
+def patch_hf_rmsnorm(model, fuse_residual=False):
     """Swap the RMSNorm modules of a transformers model for this library's ``RMSNorm``.
 
     A module is a candidate when its class name ends in ``RMSNorm`` (LlamaRMSNorm,
@@ -183,10 +242,20 @@ def patch_hf_rmsnorm(model):
 
     Differences from the original modules: the output has the input's dtype even when
     the weight's dtype differs (HF returns the promoted dtype there); the modules are
-    forward-only (see this module's docstring); torch.compile treats them as opaque.
+    forward-only (see this module's docstring). Under torch.compile each is one registered
+    op, so inductor no longer fuses the residual add before a norm into its own norm
+    kernel: ``fuse_residual=True`` does that fusion here instead.
+
+    fuse_residual: also rewrite each Llama-style decoder layer (children ``self_attn``,
+        ``mlp``, ``input_layernorm``, ``post_attention_layernorm``, both norms replaced) so
+        that its attention residual add and post-attention norm run as one
+        ``fused_add_rms_norm`` kernel, as vLLM's model code does. Results are the same bits
+        (the fused op rounds the sum to the dtype before normalizing, as the pair does).
+        Other layer types are left as they are.
 
     Returns:
-        The number of modules replaced (0 when the model is already patched).
+        The number of modules replaced (0 when the model is already patched); decoder
+        layers rewritten by ``fuse_residual`` are not counted.
     """
     found = _candidates(model)
     _require_cuda(found)
@@ -211,4 +280,6 @@ def patch_hf_rmsnorm(model):
         if new is not None and name:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if fuse_residual:
+        _fuse_residuals(model)
     return len(replacements)
