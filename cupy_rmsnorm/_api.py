@@ -161,5 +161,5 @@ def _store(dest, value):
     return dest
 
 
-if "torch" in sys.modules:     # torch is already in use: tracing must find the ops from the start
+if sys.modules.get("torch") is not None:   # torch is in use: tracing must find the ops from the start
     register_torch_ops()
