@@ -68,10 +68,6 @@ def _call(fused, arrays, eps, weight_offset, casting_mode):
     NamedTuple's construction, about 0.3 us, on every call; the full path names them)."""
     if _compiling is not None and _compiling():
         return sys.modules["cupy_rmsnorm._torch_ops"].call(fused, arrays, eps, weight_offset, casting_mode)
-    return _direct_call(fused, arrays, eps, weight_offset, casting_mode)
-
-
-def _direct_call(fused, arrays, eps, weight_offset, casting_mode):
     # Fast path: a signature seen before needs only the pointer-dependent checks.
     signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
     launcher = _launcher.lookup(signature)

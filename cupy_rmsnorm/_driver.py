@@ -119,18 +119,29 @@ def _load_launch_ex():
     return _launch_ex
 
 
-class LaunchConfig:
-    """A reusable CUlaunchConfig with the PDL attribute; one per Launcher, used under its lock."""
+class KernelLaunch:
+    """One compiled kernel with its (x, y) grid and block size, and the CUlaunchConfig
+    that cuLaunchKernelEx reads (with the PDL attribute): built once per plan, so a call
+    writes at most the stream into it. Used under the owning Launcher's lock."""
+    __slots__ = ("fn_ptr", "grid", "block", "stream", "ptr", "_fn_arg", "_buffer", "_attribute")
 
-    def __init__(self):
+    def __init__(self, fn_ptr, grid, block):
+        self.fn_ptr, self.grid, self.block, self.stream = fn_ptr, grid, block, 0
         self._attribute = (ctypes.c_char * _ATTRIBUTE.size)()
         _ATTRIBUTE.pack_into(self._attribute, 0, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
         self._buffer = (ctypes.c_char * _CONFIG.size)()
-        self._attribute_ptr = ctypes.addressof(self._attribute)
-        self.ptr = ctypes.addressof(self._buffer)
+        _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], 1, block, 1, 1, 0, 0,
+                          ctypes.addressof(self._attribute), 1)
+        self.ptr = ctypes.c_void_p(ctypes.addressof(self._buffer))
+        self._fn_arg = ctypes.c_void_p(fn_ptr)    # ready-made: ctypes converts no int per call
 
-    def set(self, grid, block, stream):
-        _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], 1, block, 1, 1, 0, stream, self._attribute_ptr, 1)
+    def set_stream(self, stream):
+        _STREAM.pack_into(self._buffer, _STREAM_OFFSET, stream)
+        self.stream = stream
+
+
+_STREAM = struct.Struct("<Q")
+_STREAM_OFFSET = 32          # CUlaunchConfig.hStream
 
 
 def ensure_context(index):
@@ -143,21 +154,21 @@ def ensure_context(index):
     return True
 
 
-def launch(dev, fn_ptr, grid, block, stream, argv_ptr, config):
-    """Launch ``fn_ptr`` on the ``Device`` ``dev`` with (x, y) ``grid`` and ``block``
-    threads on ``stream``; ``argv_ptr``: cuLaunchKernel's kernelParams array; ``config``:
-    the caller's LaunchConfig."""
+def launch(dev, kernel, stream, argv):
+    """Launch a ``KernelLaunch`` on the ``Device`` ``dev`` on ``stream``; ``argv``: the
+    kernelParams array (its address as a ctypes.c_void_p)."""
     if dev.pdl:
-        config.set(grid, block, stream)
-        err = _launch_ex(config.ptr, fn_ptr, argv_ptr, None)
+        if stream != kernel.stream:
+            kernel.set_stream(stream)
+        err = _launch_ex(kernel.ptr, kernel._fn_arg, argv, None)
         if err == _CUDA_ERROR_INVALID_CONTEXT and ensure_context(dev.index):
-            err = _launch_ex(config.ptr, fn_ptr, argv_ptr, None)
+            err = _launch_ex(kernel.ptr, kernel._fn_arg, argv, None)
         if err == 0:
             return
         dev.pdl = False       # refused (an older driver, say): plain from now on
         warnings.warn(f"cupy_rmsnorm: cuLaunchKernelEx failed with CUDA error {err}; launching "
                       "without programmatic dependent launch from now on", RuntimeWarning, stacklevel=2)
-    _launch_plain(dev.index, fn_ptr, grid, block, stream, argv_ptr)
+    _launch_plain(dev.index, kernel.fn_ptr, kernel.grid, kernel.block, stream, argv.value)
 
 
 def _launch_plain(index, fn_ptr, grid, block, stream, argv_ptr):

@@ -80,6 +80,16 @@ class CupyKind:
         return a.data.ptr
 
     @staticmethod
+    def pointer_getter():
+        return CupyKind.ptr
+
+    @staticmethod
+    def empty_getter(x_row_strides, n_inner, hidden):
+        """A function making a fresh contiguous output like x (on the current device)."""
+        cupy = _cupy()
+        return lambda like: cupy.empty(like.shape, dtype=like.dtype)
+
+    @staticmethod
     def requires_grad(a):
         return False
 
@@ -94,10 +104,6 @@ class CupyKind:
     @staticmethod
     def inference_mode():
         return False
-
-    @staticmethod
-    def empty(shape, like):
-        return _cupy().empty(shape, dtype=like.dtype)
 
     @staticmethod
     def contiguous(a):
@@ -151,6 +157,20 @@ class TorchKind:
         return t.data_ptr()
 
     @staticmethod
+    def pointer_getter():
+        return sys.modules["torch"].Tensor.data_ptr      # the C method itself: no wrapper call
+
+    @staticmethod
+    def empty_getter(x_row_strides, n_inner, hidden):
+        """A function making a fresh contiguous output like x. When x's rows are contiguous,
+        torch's default (preserve x's layout) is contiguous already, and cheaper to ask for."""
+        torch = sys.modules["torch"]
+        outer, inner = x_row_strides
+        if (n_inner == 1 or inner == hidden) and outer in (0, hidden * n_inner):
+            return torch.empty_like
+        return lambda like: torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    @staticmethod
     def requires_grad(t):
         return t.requires_grad
 
@@ -165,11 +185,6 @@ class TorchKind:
     @staticmethod
     def is_inference(t):
         return t.is_inference()
-
-    @staticmethod
-    def empty(shape, like):
-        torch = sys.modules["torch"]
-        return torch.empty_like(like, memory_format=torch.contiguous_format)
 
     @staticmethod
     def contiguous(t):
@@ -235,45 +250,65 @@ def kind_of(obj, arg="x"):
                     f"array with __dlpack__, not {type(obj).__module__}.{type(obj).__name__}")
 
 
-def _cupy_signature(a):
+def _cupy_key(a):
     return (a.shape, a.strides, a.dtype, a.data.device_id)
 
 
-def _torch_signature(t):
-    # is_neg: such a tensor's memory lacks the sign (resolved on the full path);
-    # is_inference: whether it may be written outside inference mode
+def _cupy_signature(fused, arrays, eps, weight_offset, casting_mode):
+    ndarray = sys.modules["cupy"].ndarray
+    key = [ndarray, fused, eps, weight_offset, casting_mode]
+    for a in arrays:
+        if a is None:
+            key.append(None)
+        elif type(a) is ndarray:
+            key.append(_cupy_key(a))
+        else:                  # another kind of array in the mix: the full path says what
+            return None
+    return tuple(key)
+
+
+# What a Launcher depends on of a tensor, besides shape, strides, dtype and device:
+# requires_grad (autograd must see the call while grad mode is on), is_neg (its memory
+# lacks the sign: resolved on the full path) and, for outputs, is_inference (writeable
+# in inference mode only). Written out flat: this is most of a torch call's host cost.
+def _torch_input_key(t):
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad, t.is_neg())
+
+
+def _torch_output_key(t):
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad, t.is_neg(), t.is_inference())
 
 
-_SIGNATURES = {}   # type of x -> (what a Launcher depends on of an array, is it x's kind)
+def _torch_signature(fused, arrays, eps, weight_offset, casting_mode):
+    x, residual, weight, out, residual_out = arrays
+    try:    # anything but a tensor (a CuPy array in the mix, say) fails an attribute here
+        return (TorchKind, fused, eps, weight_offset, casting_mode,
+                x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad, x.is_neg(),
+                None if residual is None else _torch_input_key(residual),
+                None if weight is None else _torch_input_key(weight),
+                None if out is None else _torch_output_key(out),
+                None if residual_out is None else _torch_output_key(residual_out))
+    except (AttributeError, TypeError, RuntimeError):   # RuntimeError: a sparse tensor's strides
+        return None
+
+
+_SIGNATURES = {}   # type of x -> its kind's signature function
 
 
 def signature(fused, arrays, eps, weight_offset, casting_mode):
     """A key of everything but the pointers, or None (then no fast path). It may be
     unhashable (an odd eps, say): the caller treats that like None.
 
-    ``arrays``: an ``Arrays`` (x, residual, weight, out, residual_out; None where absent).
+    ``arrays``: the five in ``Arrays`` order (x, residual, weight, out, residual_out;
+    None where absent).
     """
-    x = arrays[0]
-    entry = _SIGNATURES.get(type(x))
-    if entry is None:
+    sig = _SIGNATURES.get(type(arrays[0]))
+    if sig is None:
         cupy, torch = sys.modules.get("cupy"), sys.modules.get("torch")
-        if cupy is not None and type(x) is cupy.ndarray:
-            entry = _SIGNATURES[cupy.ndarray] = (_cupy_signature, lambda a: type(a) is cupy.ndarray)
-        elif torch is not None and type(x) is torch.Tensor:   # weights may be nn.Parameter
-            entry = _SIGNATURES[torch.Tensor] = (_torch_signature, lambda a: isinstance(a, torch.Tensor))
+        if cupy is not None and type(arrays[0]) is cupy.ndarray:
+            sig = _SIGNATURES[cupy.ndarray] = _cupy_signature
+        elif torch is not None and type(arrays[0]) is torch.Tensor:   # weights may be nn.Parameter
+            sig = _SIGNATURES[torch.Tensor] = _torch_signature
         else:
             return None
-    sig_of, same_kind = entry
-    key = [type(x), fused, eps, weight_offset, casting_mode]
-    try:
-        for a in arrays:
-            if a is None:
-                key.append(None)
-            elif same_kind(a):
-                key.append(sig_of(a))
-            else:              # another kind of array in the mix: the full path says what
-                return None
-    except RuntimeError:       # a sparse tensor has no strides, say: the full path says what
-        return None
-    return tuple(key)
+    return sig(fused, arrays, eps, weight_offset, casting_mode)

@@ -107,7 +107,6 @@ class Launcher:
         self.grad_check = layout.requires_grad      # then the full path decides while grad mode is on
         self.inference_check = layout.inference_outputs   # and outside inference mode
         self.others = (RESIDUAL, OUT, RESIDUAL_OUT) if self.fused else (OUT,)  # must follow x's alignment
-        self.extents = layout.extents
         # with the pointer differences, the stride differences from x decide the vector width
         xso, xsi = row_strides[X]
         bits = 0
@@ -118,29 +117,43 @@ class Launcher:
         # x's rows all start on its vector grid when its address and strides do (the
         # strides part is settled here; the address, per call)
         self.x_stride_bytes = (xso * self.itemsize) | ((xsi * self.itemsize) if layout.n_inner != 1 else 0)
-        self.params = np.zeros(1, PARAMS_DTYPE)
-        p = self.params
-        p["rows"], p["n_inner"], p["hidden"] = layout.rows, layout.n_inner, layout.hidden
+        params = np.zeros(1, PARAMS_DTYPE)
+        params["rows"], params["n_inner"], params["hidden"] = layout.rows, layout.n_inner, layout.hidden
         for k in (X,) + self.others:
-            p[_ROW_STRIDE_FIELDS[k]] = row_strides[k]
-        p["eps"], p["weight_offset"] = scalars.eps, scalars.weight_offset
-        self.flags = (LLAMA if scalars.llama else 0) | (HAS_WEIGHT if layout.weight_dtype else 0)
-        p["flags"] = self.flags
-        self._flags = p["flags"]                     # a view: the trigger bit is set per plan
-        # cuLaunchKernel's argument array: five pointer slots, then the Params struct
-        self._slots = bytearray(8 * 5)               # written with struct.pack_into per call
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
-        self._argv = np.array([base + 8 * i for i in range(5)] + [p.ctypes.data], np.uint64)
-        self._argv_ptr = self._argv.ctypes.data
-        self._config = _driver.LaunchConfig()
+            params[_ROW_STRIDE_FIELDS[k]] = row_strides[k]
+        params["eps"], params["weight_offset"] = scalars.eps, scalars.weight_offset
+        params["flags"] = (LLAMA if scalars.llama else 0) | (HAS_WEIGHT if layout.weight_dtype else 0)
+        self.params = params               # each plan gets a copy with its own trigger flag
+        self._slots = bytearray(8 * 5)     # the five pointer arguments, written per call
+        self._slots_base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
         self._by_vec = {}
-        self._by_low_bits = {}      # low 4 bits of x's address and differences -> (grid, block, kernel, flags)
+        self._by_low_bits = {}      # low 4 bits of x's address and differences -> (KernelLaunch, argv)
         self.other_slots = tuple((k, _SLOT[k]) for k in self.others)
         self.fresh_out = OUT not in self.given_outputs
         self.fresh_residual_out = self.fused and RESIDUAL_OUT not in self.given_outputs
+        self._overlap_pairs = self._pairs_to_keep_apart(layout)
+        self._ptr = kind.pointer_getter()
+        self._empty = kind.empty_getter(layout.row_strides[X], layout.n_inner, layout.hidden)
+        self._stream = kind.stream
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
+
+    def _pairs_to_keep_apart(self, layout):
+        """(slot a, lo a, hi a, slot b, lo b, hi b, may be the same) for each given output
+        against weight, the inputs and the other output: byte extents relative to each
+        pointer; "the same" (same pointer, same strides) is allowed for an input."""
+        ext, st = layout.extents, layout.row_strides
+        pairs = []
+        for o in layout.given_outputs:
+            others = [WEIGHT] if layout.weight_dtype else []
+            others += [i for i in ((X, RESIDUAL) if self.fused else (X,))]
+            if o == RESIDUAL_OUT and OUT in layout.given_outputs:
+                others.append(OUT)
+            for k in others:
+                same_ok = k in (X, RESIDUAL) and st[o] == st[k]
+                pairs.append((_SLOT[o], ext[o][0], ext[o][1], _SLOT[k], ext[k][0], ext[k][1], same_ok))
+        return tuple(pairs)
 
     def plan_and_function(self, vec, edges=True):
         """The plan and compiled kernel for a vector width (cached; compiled on first use).
@@ -160,7 +173,8 @@ class Launcher:
         from cupy_backends.cuda.api import driver
         _driver.ensure_context(self.device.index)   # a driver call: this thread may have none yet
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
-        return self.flags | (EARLY_TRIGGER if early_trigger(plan.grid, self.device.sm_count, per_sm) else 0)
+        trigger = EARLY_TRIGGER if early_trigger(plan.grid, self.device.sm_count, per_sm) else 0
+        return int(self.params["flags"][0]) | trigger
 
     def edges(self, vec, x_ptr):
         """False when every row of x starts on the vector grid and holds whole vectors."""
@@ -171,22 +185,17 @@ class Launcher:
         name = instantiation_name(self.layout.dtype, self.layout.weight_dtype, self.fused, plan)
         return kernel_cache.get(self.device.index, name)
 
-    def _overlap_settled(self, arrays, slots):
-        """True when the given outputs provably do not overlap what they must not: weight,
-        each other, and each input unless they are that very input (same pointer, strides)."""
-        ext, st = self.extents, self.layout.row_strides
-        ptrs = [slots[_SLOT[k]] if arrays[k] is not None else None for k in range(5)]
-
-        def apart(a, b):
-            return ptrs[a] + ext[a][1] <= ptrs[b] + ext[b][0] or ptrs[b] + ext[b][1] <= ptrs[a] + ext[a][0]
-
-        for o in self.given_outputs:
-            if ptrs[WEIGHT] is not None and not apart(o, WEIGHT):
-                return False
-            for i in ((X, RESIDUAL) if self.fused else (X,)):
-                if not apart(o, i) and not (ptrs[o] == ptrs[i] and st[o] == st[i]):
-                    return False
-        return len(self.given_outputs) < 2 or apart(OUT, RESIDUAL_OUT)
+    def _launch_entry(self, bits, px):
+        """The kernel launch and argument array for the vector width and edges these
+        address bits allow: a plan, its kernel, and a Params copy with its flags."""
+        vec = vector_width_from_bits(self.itemsize, bits)
+        plan, fn = self.plan_and_function(vec, self.edges(vec, px))
+        params = self.params.copy()
+        params["flags"] = self.plan_flags(plan, fn)
+        argv = np.array([self._slots_base + 8 * i for i in range(5)] + [params.ctypes.data], np.uint64)
+        kernel = _driver.KernelLaunch(fn.ptr, plan.grid_dims(), plan.block)
+        # the arrays live as long as the entry: the driver reads them at each launch
+        return kernel, ctypes.c_void_p(argv.ctypes.data), (params, argv)
 
     def __call__(self, arrays, checked=False):
         """Launch on ``arrays`` (the five in ``Arrays`` order, None where absent).
@@ -204,7 +213,7 @@ class Launcher:
             return self._run(arrays, checked)
 
     def _run(self, arrays, checked):
-        ptr, itemsize = self.kind.ptr, self.itemsize
+        ptr, itemsize = self._ptr, self.itemsize
         slots = [0] * 5                                   # the kernel's pointers, in KERNEL_POINTERS order
         x = arrays[X]
         slots[0] = px = ptr(x)
@@ -219,15 +228,20 @@ class Launcher:
         if w is not None:
             slots[4] = p = ptr(w)
             misaligned |= p % self.layout.weight_itemsize
-        if misaligned or (self.given_outputs and not checked and not self._overlap_settled(arrays, slots)):
+        if misaligned:
             return None
+        if not checked:      # given outputs provably apart from what they must not overlap
+            for a, alo, ahi, b, blo, bhi, same_ok in self._overlap_pairs:
+                pa, pb = slots[a], slots[b]
+                if pa + alo < pb + bhi and pb + blo < pa + ahi and not (same_ok and pa == pb):
+                    return None
         out, residual_out = arrays[OUT], arrays[RESIDUAL_OUT]
         if self.fresh_out:
-            out = self.kind.empty(self.shape, x)
+            out = self._empty(x)
             slots[2] = p = ptr(out)
             bits |= p - px
         if self.fresh_residual_out:
-            residual_out = self.kind.empty(self.shape, x)
+            residual_out = self._empty(x)
             slots[3] = p = ptr(residual_out)
             bits |= p - px
         result = (out, residual_out) if self.fused else out
@@ -236,14 +250,10 @@ class Launcher:
         key = (bits & 15) | ((px & 15) << 4)              # all that decides vector width and edges
         entry = self._by_low_bits.get(key)
         if entry is None:
-            vec = vector_width_from_bits(itemsize, bits)
-            plan, fn = self.plan_and_function(vec, self.edges(vec, px))
-            entry = self._by_low_bits[key] = (plan.grid_dims(), plan.block, fn.ptr, self.plan_flags(plan, fn))
-        grid, block, fn_ptr, flags = entry
-        stream = self.kind.stream(self.device.index)
+            entry = self._by_low_bits[key] = self._launch_entry(bits, px)
+        kernel, argv, _ = entry
+        stream = self._stream(self.device.index)
         with self._lock:
-            if self._flags[0] != flags:              # another plan than the last call's
-                self._flags[0] = flags
             _pack_pointers(self._slots, 0, *slots)
-            _driver.launch(self.device, fn_ptr, grid, block, stream, self._argv_ptr, self._config)
+            _driver.launch(self.device, kernel, stream, argv)
         return result

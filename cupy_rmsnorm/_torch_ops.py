@@ -29,7 +29,8 @@ Tensor = torch.Tensor
 
 
 def _direct(fused, x, residual, weight, out, residual_out, eps, weight_offset, casting_mode):
-    return _api._direct_call(fused, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
+    # the library's eager path: not tracing when the op itself runs, so _call goes direct
+    return _api._call(fused, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
 
 
 @torch.library.custom_op("cupy_rmsnorm::rms_norm", mutates_args=())

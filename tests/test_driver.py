@@ -10,20 +10,21 @@ def test_launch_config_layout():
     """CUlaunchConfig (cuda.h): grid x/y/z, block x/y/z, sharedMemBytes, 4 bytes of padding,
     hStream, attrs, numAttrs; one CUlaunchAttribute: id 6 (programmatic stream
     serialization), padding to 8 bytes, a 64-byte value whose first int is 1."""
-    config = _driver.LaunchConfig()
-    config.set((70000, 3), 256, 0xDEADBEEF)
-    raw = ctypes.string_at(config.ptr, 56)
+    kernel = _driver.KernelLaunch(0x1234, (70000, 3), 256)
+    kernel.set_stream(0xDEADBEEF)
+    raw = ctypes.string_at(kernel.ptr.value, 56)
     gx, gy, gz, bx, by, bz, smem, pad = struct.unpack_from("<8I", raw, 0)
     stream, attrs, num = struct.unpack_from("<QQI", raw, 32)
     assert (gx, gy, gz, bx, by, bz, smem, pad) == (70000, 3, 1, 256, 1, 1, 0, 0)
-    assert (stream, num) == (0xDEADBEEF, 1)
+    assert (stream, num) == (0xDEADBEEF, 1) and kernel.stream == 0xDEADBEEF
     attr = ctypes.string_at(attrs, 72)
     assert struct.unpack_from("<Ii", attr, 0) == (6, 0) and struct.unpack_from("<i", attr, 8) == (1,)
     assert attr[12:] == bytes(60)
-    config.set((1, 1), 1024, 0)                # rewritten in place, the attribute kept
-    raw = ctypes.string_at(config.ptr, 56)
-    assert struct.unpack_from("<7I", raw, 0) == (1, 1, 1, 1024, 1, 1, 0)
+    kernel.set_stream(0)                       # rewritten in place, the rest kept
+    raw = ctypes.string_at(kernel.ptr.value, 56)
+    assert struct.unpack_from("<7I", raw, 0) == (70000, 3, 1, 256, 1, 1, 0)
     assert struct.unpack_from("<QQI", raw, 32) == (0, attrs, 1)
+    assert (kernel.fn_ptr, kernel.grid, kernel.block) == (0x1234, (70000, 3), 256)
 
 
 def test_pdl_off_by_environment(monkeypatch):
@@ -52,8 +53,9 @@ def test_refused_attribute_falls_back_for_good(monkeypatch):
     monkeypatch.setattr(_driver, "_launch_ex", lambda *a: 1)      # CUDA_ERROR_INVALID_VALUE
     monkeypatch.setattr(_driver, "_launch_plain", lambda *a: plain.append(a))
     dev = _driver.Device(0, 132, (9, 0), True)
+    kernel, argv = _driver.KernelLaunch(7, (2, 1), 128), ctypes.c_void_p(99)
     with pytest.warns(RuntimeWarning, match="cuLaunchKernelEx failed"):
-        _driver.launch(dev, 1, (2, 1), 128, 0, 0, _driver.LaunchConfig())
-    assert dev.pdl is False and len(plain) == 1
-    _driver.launch(dev, 1, (2, 1), 128, 0, 0, _driver.LaunchConfig())   # no second warning
+        _driver.launch(dev, kernel, 5, argv)
+    assert dev.pdl is False and plain == [(0, 7, (2, 1), 128, 5, 99)]
+    _driver.launch(dev, kernel, 5, argv)            # plain, and no second warning
     assert len(plain) == 2
