@@ -354,3 +354,78 @@ def test_a_tiny_eager_run_on_the_cpu(tmp_path, capsys):
     (row,) = payload["summary"]
     assert row["decode_vs_hf"] == 1.0 and row["decode_ms"]["n"] == 2
     assert payload["meta"]["versions"]["transformers"] and payload["meta"]["config"]["num_hidden_layers"] == 2
+
+
+class Unsupported(Exception):
+    """Dynamo's graph-break error under fullgraph=True, as far as the benchmark can tell."""
+
+
+Unsupported.__module__ = "torch._dynamo.exc"
+
+
+class FakeGenerate:
+    """Compiles (one Dynamo graph) on a variant's first call; ``breaks`` fail as one graph."""
+
+    def __init__(self, variants, breaks=(), broken=()):
+        self.full = {v: True for v in variants}
+        self.breaks, self.broken = set(breaks), set(broken)
+        self.graphs, self.calls, self.compiled = 0, [], set()
+
+    def fullgraph(self, variant):
+        return self.full[variant]
+
+    def allow_graph_breaks(self, variant):
+        self.full[variant] = False
+
+    def __call__(self, variant, n):
+        self.calls.append((variant, n, self.full[variant]))
+        if variant in self.broken:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        if variant in self.breaks and self.full[variant]:
+            raise RuntimeError("generate failed") from Unsupported("call to a C function")
+        if variant not in self.compiled:
+            self.compiled.add(variant)
+            self.graphs += 1
+        return 0.01
+
+
+def test_warm_up_compiles_again_with_breaks_allowed_after_the_others(monkeypatch):
+    models = {"hf": None, "ours": None, "ours_fused": None, "liger": None}
+    generate = FakeGenerate(models, breaks={"ours"}, broken={"liger"})
+    monkeypatch.setattr(e2e, "dynamo_counters", lambda: {"stats.unique_graphs": generate.graphs})
+    monkeypatch.setattr(e2e, "log", lambda msg: None)
+    args = e2e.parse_args(["--new-tokens", "6"])
+    payload = {"compile": {}, "errors": [], "skipped": {}}
+    ready = e2e.warm_up("compiled", models, generate, args, payload, elapsed=lambda: 0.0)
+    assert ready == ["hf", "ours", "ours_fused"]                   # in the variants' order
+    # ours breaks the graph: compiled again, after the others; liger's error is no graph break
+    assert [c[0] for c in generate.calls] == ["hf"] * 3 + ["ours", "ours_fused", "ours_fused", "ours_fused",
+                                                           "liger", "ours", "ours", "ours"]
+    assert [c[1] for c in generate.calls[:3]] == [6, 1, 6]          # N first: it sizes the static cache
+    assert payload["compile"]["compiled ours"]["fullgraph"] is False
+    assert payload["compile"]["compiled hf"] == {"warmup_s": pytest.approx(0.0, abs=1.0), "fullgraph": True,
+                                                 "graphs": 1, "counters": {"stats.unique_graphs": 1}}
+    assert [e["where"] for e in payload["errors"]] == ["compiled ours fullgraph compile",
+                                                       "compiled liger warm-up"]
+    assert "call to a C function" not in payload["errors"][0]["error"]   # the outer error, as raised
+    assert e2e.is_dynamo_error(RuntimeError("x")) is False
+
+
+def test_warm_up_that_compiles_nothing_is_not_timed(monkeypatch):
+    generate = FakeGenerate({"hf": None})
+    monkeypatch.setattr(e2e, "dynamo_counters", dict)     # no graph, ever
+    monkeypatch.setattr(e2e, "log", lambda msg: None)
+    payload = {"compile": {}, "errors": [], "skipped": {}}
+    args = e2e.parse_args([])
+    assert e2e.warm_up("compiled", {"hf": None}, generate, args, payload, elapsed=lambda: 0.0) == []
+    assert "compiled nothing" in payload["errors"][0]["error"]
+    assert e2e.warm_up("eager", {"hf": None}, generate, args, payload, elapsed=lambda: 0.0) == ["hf"]
+
+
+def test_warm_up_skips_a_compile_past_the_budget(monkeypatch):
+    generate = FakeGenerate({"hf": None})
+    monkeypatch.setattr(e2e, "log", lambda msg: None)
+    payload = {"compile": {}, "errors": [], "skipped": {}}
+    args = e2e.parse_args(["--budget-s", "100"])
+    assert e2e.warm_up("compiled", {"hf": None}, generate, args, payload, elapsed=lambda: 30.0) == []
+    assert not generate.calls and "time budget (100 s)" in payload["skipped"]["compiled hf"]

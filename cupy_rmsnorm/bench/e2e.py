@@ -6,7 +6,8 @@ greedily, in two modes:
 - ``eager``: ``generate`` with the default dynamic cache, under ``torch.inference_mode()``;
 - ``compiled``: ``generate(cache_implementation="static")``, for which transformers
   compiles the decode forward (torch.compile, ``mode="reduce-overhead"``: CUDA graphs;
-  ``fullgraph=True`` unless ``--no-fullgraph``). The prefill forward stays eager there.
+  ``fullgraph=True`` unless ``--no-fullgraph``; a variant that breaks the graph is
+  compiled again with breaks allowed, and its row marked). The prefill stays eager there.
 
 The variants are the same weights with other RMSNorm modules: ``hf`` (LlamaRMSNorm as
 built), ``ours`` (``patch_hf_rmsnorm``), ``ours_fused`` (``patch_hf_rmsnorm(model,
@@ -254,7 +255,7 @@ def _breaks_cell(breaks, compiled):
 
 BREAKS_FOOTNOTE = "*: timed with graph breaks allowed (compiled with fullgraph=False)"
 TABLE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms/token", "min-max", "vs hf",
-                 "tokens/s", "top-1 agree", "max |dlogit|", "graph breaks"]
+                 "tokens/s", "top-1 agree", "max abs dlogit", "graph breaks"]
 
 
 def table_rows(payload):
@@ -648,6 +649,25 @@ def run(args):
             "norm_weights": f"1 + N(0, {NORM_WEIGHT_STD})", "budget_s": args.budget_s}
     payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}, "graph_breaks": {},
                "compile": {}, "timed_counters": {}, "timings": [], "summary": []}
+    interrupted = False
+    try:
+        measure_all(args, payload, elapsed, deadline)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: saving what was measured")
+    written = finish(args, payload, elapsed)
+    for path in written:
+        log(f"wrote {path}")
+    print(format_report(payload))
+    if interrupted:
+        return 130
+    return 0 if payload["summary"] else 1
+
+
+def measure_all(args, payload, elapsed, deadline):
+    """Model, variants, agreement, graph breaks, then each mode's warm-up and rounds,
+    all into ``payload`` (written to disk after each mode)."""
+    meta = payload["meta"]
     log(f"e2e on {meta['gpu']}: building the model ...")
     base = build_model(args)
     meta["parameters"] = sum(p.numel() for p in base.parameters())
@@ -690,37 +710,25 @@ def run(args):
         raise_recompile_limits()
 
     prompt = token_ids(args, args.batch, args.prompt, offset=3)
-    interrupted = False
-    try:
-        for mode in args.modes:
-            generate = Generator(args, models, prompt, mode)
-            ready = warm_up(mode, models, generate, args, payload, elapsed)
-            log(f"{mode}: {args.repeats} rounds of {', '.join(ready)} ...")
-            before = dynamo_counters()
-            timings, errors, notes = measure_rounds(mode, ready, args.repeats, args.new_tokens, generate, log,
-                                                    deadline=deadline)
-            timed = counter_delta(before, dynamo_counters())
-            payload["timed_counters"][mode] = timed
-            grew = graph_count_of(timed)
-            if grew:
-                notes.append(f"{mode}: {grew} graphs were compiled during the timed rounds (recompiles): "
-                             f"their times include that")
-            payload["timings"] += timings
-            payload["errors"] += errors
-            payload["notes"] += notes
-            for note in notes:
-                log(f"note: {note}")
-            finish(args, payload, elapsed, write_only=True)     # a later crash keeps this mode's results
-    except KeyboardInterrupt:
-        interrupted = True
-        log("interrupted: saving what was measured")
-    written = finish(args, payload, elapsed)
-    for path in written:
-        log(f"wrote {path}")
-    print(format_report(payload))
-    if interrupted:
-        return 130
-    return 0 if payload["summary"] else 1
+    for mode in args.modes:
+        generate = Generator(args, models, prompt, mode)
+        ready = warm_up(mode, models, generate, args, payload, elapsed)
+        log(f"{mode}: {args.repeats} rounds of {', '.join(ready)} ...")
+        before = dynamo_counters()
+        timings, errors, notes = measure_rounds(mode, ready, args.repeats, args.new_tokens, generate, log,
+                                                deadline=deadline)
+        timed = counter_delta(before, dynamo_counters())
+        payload["timed_counters"][mode] = timed
+        grew = graph_count_of(timed)
+        if grew:
+            notes.append(f"{mode}: {grew} graphs were compiled during the timed rounds (recompiles): "
+                         f"their times include that")
+        payload["timings"] += timings
+        payload["errors"] += errors
+        payload["notes"] += notes
+        for note in notes:
+            log(f"note: {note}")
+        finish(args, payload, elapsed, write_only=True)     # a later crash keeps this mode's results
 
 
 def warm_up(mode, models, generate, args, payload, elapsed):
@@ -728,41 +736,60 @@ def warm_up(mode, models, generate, args, payload, elapsed):
 
     Compiled: the first call compiles (checked in Dynamo's counters). A variant that
     fails to compile as one graph is compiled again with graph breaks allowed, so it
-    still gets a time, marked as such."""
-    ready = []
-    for name in models:
-        key = f"{mode} {name}"
-        while True:
-            if mode == "compiled" and not fits_budget(elapsed(), COMPILE_ESTIMATE_S, args.budget_s):
-                payload["skipped"][key] = f"the time budget ({args.budget_s:.0f} s) left no room to compile"
-                break
-            log(f"{mode}: warming up {name}" + (" (fullgraph)" if generate.fullgraph(name) else "") + " ...")
-            before, t0 = dynamo_counters(), time.perf_counter()
-            error = None
-            try:
-                # N first: in compiled mode it compiles and sizes the static cache for T(1) too
-                for n in (args.new_tokens, 1, args.new_tokens):
-                    generate(name, n)
-            except Exception as e:  # noqa: BLE001
-                error = _err_text(e)
-            delta = counter_delta(before, dynamo_counters())
-            payload["compile"][key] = {"warmup_s": time.perf_counter() - t0, "fullgraph": generate.fullgraph(name),
-                                       "graphs": graph_count_of(delta), "counters": delta}
-            if error and generate.fullgraph(name):
-                payload["errors"].append({"where": f"{key} fullgraph compile", "error": error})
-                log(f"error: {key} with fullgraph=True: {error}; compiling again with graph breaks allowed")
-                generate.allow_graph_breaks(name)
-                continue
-            if error:
-                payload["errors"].append({"where": f"{key} warm-up", "error": error})
-                log(f"error: {key} warm-up: {error}")
-            elif mode == "compiled" and graph_count_of(delta) == 0:
-                payload["errors"].append({"where": key, "error": "generate compiled nothing (transformers' "
-                                          "auto-compile criteria not met?): not timed"})
-            else:
-                ready.append(name)
-            break
-    return ready
+    still gets a time (marked as such), after every other variant: a compile with many
+    breaks can take long, and the budget goes to the others first."""
+    ready = [name for name in models if _warm_up_one(mode, name, generate, args, payload, elapsed)]
+    retry = [name for name in models if payload["compile"].get(f"{mode} {name}", {}).get("fullgraph_failed")]
+    for name in retry:
+        generate.allow_graph_breaks(name)
+        if _warm_up_one(mode, name, generate, args, payload, elapsed):
+            ready.append(name)
+    return [name for name in models if name in ready]
+
+
+def is_dynamo_error(e):
+    """Whether ``e`` (or what caused it) is Dynamo's: a graph break under fullgraph=True
+    raises one of torch._dynamo.exc's errors."""
+    while e is not None:
+        if type(e).__module__.startswith("torch._dynamo"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _warm_up_one(mode, name, generate, args, payload, elapsed):
+    """Three generate calls of one variant; True when it is ready to be timed."""
+    key = f"{mode} {name}"
+    if mode == "compiled" and not fits_budget(elapsed(), COMPILE_ESTIMATE_S, args.budget_s):
+        payload["skipped"][key] = f"the time budget ({args.budget_s:.0f} s) left no room to compile"
+        return False
+    fullgraph = generate.fullgraph(name)
+    log(f"{mode}: warming up {name}" + (" (fullgraph)" if fullgraph else "") + " ...")
+    before, t0 = dynamo_counters(), time.perf_counter()
+    error, graph_break = None, False
+    try:
+        # N first: in compiled mode it compiles and sizes the static cache for T(1) too
+        for n in (args.new_tokens, 1, args.new_tokens):
+            generate(name, n)
+    except Exception as e:  # noqa: BLE001 - reported; the other variants go on
+        error, graph_break = _err_text(e), is_dynamo_error(e)
+    delta = counter_delta(before, dynamo_counters())
+    payload["compile"][key] = {"warmup_s": time.perf_counter() - t0,
+                               "fullgraph": fullgraph if mode == "compiled" else None,
+                               "graphs": graph_count_of(delta), "counters": delta}
+    if error:
+        retry = fullgraph and graph_break
+        where = f"{key} fullgraph compile" if retry else f"{key} warm-up"
+        payload["errors"].append({"where": where, "error": error})
+        log(f"error: {where}: {error}" + ("; compiling it again with graph breaks allowed, after the others"
+                                           if retry else ""))
+        payload["compile"][key]["fullgraph_failed"] = retry
+        return False
+    if mode == "compiled" and graph_count_of(delta) == 0:
+        payload["errors"].append({"where": key, "error": "generate compiled nothing (transformers' "
+                                  "auto-compile criteria not met?): not timed"})
+        return False
+    return True
 
 
 def finish(args, payload, elapsed, write_only=False):
