@@ -20,5 +20,5 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 # --budget-s: no compile or round starts that would end past it; SIGINT at the timeout
 # still saves what was measured (each mode's results are written as soon as it ends).
-timeout -s INT -k 20 "${E2E_S:-330}" python3 -m cupy_rmsnorm.bench e2e --out "$out" --name "${NAME:-h200}" \
-  --budget-s "${BUDGET_S:-280}" "$@" 2>&1 | tee "$out/e2e.log"
+timeout -s INT -k 20 "${E2E_S:-320}" python3 -m cupy_rmsnorm.bench e2e --out "$out" --name "${NAME:-h200}" \
+  --budget-s "${BUDGET_S:-270}" "$@" 2>&1 | tee "$out/e2e.log"

@@ -325,6 +325,16 @@ def test_shared_weight_copy_shares_weights_not_modules():
 
 
 @requires_transformers
+def test_a_class_level_patch_shows_in_the_fingerprint(monkeypatch):
+    from transformers.models.llama import modeling_llama
+    before = e2e.modeling_fingerprint()
+    assert e2e.modeling_fingerprint() == before and "LlamaDecoderLayer" in before
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", lambda self, *args, **kwargs: None)
+    after = e2e.modeling_fingerprint()
+    assert [k for k in before if before[k] != after[k]] == ["LlamaDecoderLayer"]
+
+
+@requires_transformers
 def test_liger_patches_the_copy_only():
     if importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed")
@@ -335,9 +345,10 @@ def test_liger_patches_the_copy_only():
     from transformers.models.llama import modeling_llama
     model = _tiny_model()
     twin = e2e.shared_weight_copy(model)
-    before = modeling_llama.LlamaRMSNorm
+    before, fingerprint = modeling_llama.LlamaRMSNorm, e2e.modeling_fingerprint()
     assert e2e.apply_liger_rms_norm(twin) == 2 * 2 + 1
     assert modeling_llama.LlamaRMSNorm is before                    # the class-level swap undone
+    assert e2e.modeling_fingerprint() == fingerprint
     assert not any(m._get_name() == "LigerRMSNorm" for m in model.modules())
     assert twin.model.norm.weight is model.model.norm.weight
 

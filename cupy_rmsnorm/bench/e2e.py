@@ -477,6 +477,17 @@ def make_variant(name, base, device):
     return model, replaced
 
 
+def modeling_fingerprint():
+    """{name: identity} of transformers' Llama classes, their forwards and functions: a
+    variant's patch must change instances only, or hf would run the patch too."""
+    from transformers.models.llama import modeling_llama
+    out = {}
+    for name, obj in vars(modeling_llama).items():
+        if isinstance(obj, type) or callable(obj):
+            out[name] = (id(obj), id(vars(obj).get("forward")) if isinstance(obj, type) else None)
+    return out
+
+
 def token_ids(args, batch, length, offset):
     import torch
     gen = torch.Generator(device=args.device).manual_seed(args.seed + offset)
@@ -525,7 +536,7 @@ def raise_recompile_limits():
                 break
 
 
-class Generator:
+class TimedGenerate:
     """Timed ``generate`` calls of every variant in one mode."""
 
     def __init__(self, args, models, prompt, mode):
@@ -675,6 +686,7 @@ def measure_all(args, payload, elapsed, deadline):
 
     models, replaced = {}, {}
     for name in args.variants:
+        before = modeling_fingerprint()
         try:
             models[name], replaced[name] = make_variant(name, base, args.device)
         except Skipped as e:
@@ -683,6 +695,12 @@ def measure_all(args, payload, elapsed, deadline):
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
             payload["errors"].append({"where": f"patch {name}", "error": _err_text(e)})
             log(f"error: patch {name}: {_err_text(e)}")
+        after = modeling_fingerprint()
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        if changed:
+            payload["errors"].append({"where": f"patch {name}", "error": f"changed transformers' modeling_llama "
+                                      f"({', '.join(changed)}): hf and every variant run that change too"})
+            log(f"error: patch {name} changed transformers' modeling_llama: {', '.join(changed)}")
     meta["replaced_norms"] = replaced
 
     # Agreement: one teacher-forced forward per variant against hf's logits.
@@ -711,7 +729,7 @@ def measure_all(args, payload, elapsed, deadline):
 
     prompt = token_ids(args, args.batch, args.prompt, offset=3)
     for mode in args.modes:
-        generate = Generator(args, models, prompt, mode)
+        generate = TimedGenerate(args, models, prompt, mode)
         ready = warm_up(mode, models, generate, args, payload, elapsed)
         log(f"{mode}: {args.repeats} rounds of {', '.join(ready)} ...")
         before = dynamo_counters()
