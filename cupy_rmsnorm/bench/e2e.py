@@ -132,7 +132,8 @@ def build_parser():
     p.add_argument("--out", default="bench_results", help="output folder (default: ./bench_results)")
     p.add_argument("--name", default="rmsnorm_bench",
                    help="file name stem: writes NAME_e2e.json, .csv, .md (default: rmsnorm_bench)")
-    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)   # "cpu": the hf variant, to smoke the harness
+    # "cpu": the hf variant alone, to smoke the harness without a GPU
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     return p
 
 
