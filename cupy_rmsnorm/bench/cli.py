@@ -2,6 +2,7 @@
 
 Measures cupy_rmsnorm and its peers over a grid of shapes on the current GPU, prints a
 table per mode, op and dtype, and writes CSV, JSON, Markdown and PNG charts.
+``cupy-rmsnorm-bench e2e ...`` is the whole-model benchmark instead (``e2e.py``).
 """
 
 import argparse
@@ -73,7 +74,9 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmark cupy_rmsnorm against its peers on the current GPU.",
         epilog=f"implementations:\n{impls}\n\nmodes:\n"
-               + "\n".join(f"  {shapes.MODE_TITLES[m]}" for m in shapes.MODES))
+               + "\n".join(f"  {shapes.MODE_TITLES[m]}" for m in shapes.MODES)
+               + "\n\nwhole-model benchmark (a Llama-shaped transformers model generating):\n"
+                 "  cupy-rmsnorm-bench e2e --help")
     p.add_argument("--ops", type=_list(str, shapes.OPS, "op"), default=list(shapes.OPS),
                    help="ops to measure: rms, fused (default: both)")
     p.add_argument("--dtypes", type=_list(shapes.parse_dtype, what="dtype"), default=None,
@@ -124,6 +127,10 @@ def no_gpu_message(reason):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["e2e"]:      # the whole-model benchmark, with options of its own
+        from . import e2e
+        return e2e.main(argv[1:])
     args = parse_args(argv)
     if args.replot:
         return replot(args)

@@ -1,0 +1,818 @@
+"""``python -m cupy_rmsnorm.bench e2e``: a whole Llama-shaped model, HF's norms against ours and Liger's.
+
+A randomly initialized transformers ``LlamaForCausalLM`` (nothing downloaded) generates
+greedily, in two modes:
+
+- ``eager``: ``generate`` with the default dynamic cache, under ``torch.inference_mode()``;
+- ``compiled``: ``generate(cache_implementation="static")``, for which transformers
+  compiles the decode forward (torch.compile, ``mode="reduce-overhead"``: CUDA graphs;
+  ``fullgraph=True`` unless ``--no-fullgraph``; a variant that breaks the graph is
+  compiled again with breaks allowed, and its row marked). The prefill stays eager there.
+
+The variants are the same weights with other RMSNorm modules: ``hf`` (LlamaRMSNorm as
+built), ``ours`` (``patch_hf_rmsnorm``), ``ours_fused`` (``patch_hf_rmsnorm(model,
+fuse_residual=True)``: residual add + post-attention norm as one op) and ``liger``
+(Liger-Kernel's RMSNorm only). Each is a copy of the module tree that shares every
+weight, so four variants cost one model's memory.
+
+Measured per (mode, variant), the variants interleaved (A B C D A B C D ...) against
+machine drift: prefill = ``generate(max_new_tokens=1)``; decode per token =
+``(T(N new tokens) - T(1)) / (N - 1)`` of the same round. Also: logits agreement with
+``hf`` on one teacher-forced forward, and the graph breaks ``torch._dynamo.explain``
+finds in a whole-model forward.
+
+The pure parts (arguments, order, statistics, tables) need neither torch nor a GPU and
+are tested on a CPU; a hidden ``--device cpu`` runs the ``hf`` variant on a CPU to
+smoke the harness.
+"""
+
+import argparse
+import copy
+import csv
+import importlib.util
+import itertools
+import os
+import statistics
+import sys
+import time
+
+from . import report, shapes, timing
+
+VARIANTS = ("hf", "ours", "ours_fused", "liger")
+VARIANT_TITLES = {
+    "hf": "transformers' LlamaRMSNorm, as built",
+    "ours": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model)",
+    "ours_fused": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model, fuse_residual=True): each layer's residual add "
+                  "+ post-attention norm as one fused op",
+    "liger": "Liger-Kernel's RMSNorm only: apply_liger_kernel_to_llama(rms_norm=True, model=model), "
+             "no rope / swiglu / cross-entropy patches",
+}
+MODES = ("eager", "compiled")
+MODE_TITLES = {"eager": "generate(do_sample=False), dynamic cache, torch.inference_mode()",
+               "compiled": "generate(cache_implementation='static'): decode forward under torch.compile "
+                           "(reduce-overhead, CUDA graphs); prefill eager"}
+BASELINE = "hf"
+EPS = 1e-6
+NORM_WEIGHT_STD = 0.1        # norm weights 1 + N(0, 0.1): at all-ones, llama and fp32 rounding agree
+EXPLAIN_TOKENS = 16          # the graph-break count needs a forward, not a long one
+COMPILE_ESTIMATE_S = 75.0    # one variant's compile, for the time budget (8-layer Llama on an H200)
+RECOMPILE_LIMIT = 64         # variants share code objects: one Dynamo cache entry each
+STEM_SUFFIX = "_e2e"
+
+
+class Skipped(Exception):
+    """This variant cannot run here (not installed, no such keyword, no CUDA): reported, not an error."""
+
+
+# -- arguments ------------------------------------------------------------------------------------
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _choices(allowed, what):
+    """An argparse type: a comma-separated list of ``allowed`` names, in the given order."""
+    def convert(text):
+        items = shapes.unique(t.strip().lower() for t in text.split(",") if t.strip())
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty {what} list")
+        for item in items:
+            if item not in allowed:
+                raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; choose from {', '.join(allowed)}")
+        return items
+    return convert
+
+
+def _dtype(text):
+    try:
+        return shapes.parse_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="cupy-rmsnorm-bench e2e",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Whole-model benchmark: a randomly initialized Llama-shaped transformers model "
+                    "generating greedily, with HF's, our and Liger's RMSNorm.",
+        epilog="variants:\n" + "\n".join(f"  {k:11s} {v}" for k, v in VARIANT_TITLES.items())
+               + "\n\nmodes:\n" + "\n".join(f"  {k:11s} {v}" for k, v in MODE_TITLES.items()))
+    p.add_argument("--layers", type=_positive_int, default=8, help="decoder layers (default: 8)")
+    p.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size (default: 4096)")
+    p.add_argument("--intermediate", type=_positive_int, default=14336,
+                   help="MLP intermediate size (default: 14336)")
+    p.add_argument("--heads", type=_positive_int, default=32, help="attention heads (default: 32)")
+    p.add_argument("--kv-heads", type=_positive_int, default=8, help="key/value heads (default: 8)")
+    p.add_argument("--vocab", type=_positive_int, default=32000, help="vocabulary size (default: 32000)")
+    p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16, fp16 or fp32 (default: bf16)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="prompts per generate call (default: 1)")
+    p.add_argument("--prompt", type=_positive_int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--new-tokens", type=_positive_int, default=64,
+                   help="tokens generated per timed call, at least 2 (default: 64)")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="interleaved rounds over the variants, per mode (default: 5)")
+    p.add_argument("--variants", type=_choices(VARIANTS, "variant"), default=list(VARIANTS),
+                   help=f"a list of {', '.join(VARIANTS)} (default: all; hf always runs, as the reference)")
+    p.add_argument("--modes", type=_choices(MODES, "mode"), default=list(MODES),
+                   help="eager, compiled (default: both)")
+    p.add_argument("--agree-tokens", type=_positive_int, default=128,
+                   help="tokens of the teacher-forced forward that checks the logits (default: 128)")
+    p.add_argument("--no-fullgraph", action="store_true",
+                   help="compile with graph breaks allowed (default: fullgraph=True, a break is an error)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="start no compile and no round that would end past S seconds from the start "
+                        "(what is left out is reported; default: no limit)")
+    p.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
+    p.add_argument("--out", default="bench_results", help="output folder (default: ./bench_results)")
+    p.add_argument("--name", default="rmsnorm_bench",
+                   help="file name stem: writes NAME_e2e.json, .csv, .md (default: rmsnorm_bench)")
+    # "cpu": the hf variant alone, to smoke the harness without a GPU
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2 (decode time is T(N) - T(1) over N - 1 tokens)")
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if BASELINE not in args.variants:       # every comparison is against it
+        args.variants = [BASELINE] + args.variants
+    return args
+
+
+def model_config(args):
+    """The LlamaConfig keywords of this run."""
+    return {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+            "num_key_value_heads": args.kv_heads, "rms_norm_eps": EPS,
+            "max_position_embeddings": max(2048, args.prompt + args.new_tokens, args.agree_tokens),
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+# -- order, statistics ------------------------------------------------------------------------------
+def interleaved_order(variants, repeats):
+    """[(round, variant)]: every variant once per round, rounds one after the other
+    (A B C D A B C D ...), so slow drift of the machine spreads over all of them."""
+    return [(r, v) for r in range(repeats) for v in variants]
+
+
+def decode_ms_per_token(one_s, many_s, new_tokens):
+    """Milliseconds per decoded token from generate's time for 1 and for ``new_tokens``
+    tokens: the prefill and generate's fixed costs cancel out."""
+    return (many_s - one_s) * 1e3 / (new_tokens - 1)
+
+
+def spread(values):
+    """Median, min, max and quartiles (inclusive method) of a list, or None when empty."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    q1 = q3 = values[0]
+    if len(values) > 1:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1],
+            "q1": q1, "q3": q3, "n": len(values)}
+
+
+def summarize(timings, new_tokens, batch):
+    """One row per (mode, variant) with a measurement: prefill and decode spreads, and
+    the decode and prefill medians relative to the baseline of the same mode."""
+    by_key = {}
+    for t in timings:
+        by_key.setdefault((t["mode"], t["variant"]), {}).setdefault(t["round"], {})[t["new_tokens"]] = t["seconds"]
+    rows = []
+    for (mode, variant), rounds in by_key.items():
+        prefill = [r[1] * 1e3 for r in rounds.values() if 1 in r]
+        decode = [decode_ms_per_token(r[1], r[new_tokens], new_tokens) for r in rounds.values()
+                  if 1 in r and new_tokens in r]
+        d = spread(decode)
+        rows.append({"mode": mode, "variant": variant, "prefill_ms": spread(prefill), "decode_ms": d,
+                     "tokens_per_s": batch * 1e3 / d["median"] if d and d["median"] > 0 else None})
+    for row in rows:
+        base = next((b for b in rows if b["mode"] == row["mode"] and b["variant"] == BASELINE), {})
+        row["prefill_vs_hf"] = _median_ratio(row["prefill_ms"], base.get("prefill_ms"))
+        row["decode_vs_hf"] = _median_ratio(row["decode_ms"], base.get("decode_ms"))
+    order = {(m, v): i for i, (m, v) in enumerate(itertools.product(MODES, VARIANTS))}
+    return sorted(rows, key=lambda r: order.get((r["mode"], r["variant"]), len(order)))
+
+
+def _median_ratio(a, b):
+    return a["median"] / b["median"] if a and b and b["median"] else None
+
+
+def counter_delta(before, after):
+    """What grew between two flat counter snapshots ({key: count})."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def graph_count_of(delta):
+    return delta.get("stats.unique_graphs", 0)
+
+
+def fits_budget(elapsed_s, needed_s, budget_s):
+    """Whether a step of about ``needed_s`` seconds still ends within the budget."""
+    return budget_s is None or elapsed_s + needed_s <= budget_s
+
+
+# -- the tables --------------------------------------------------------------------------------------
+def _ms(v):
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def _range(s):
+    return f"{_ms(s['min'])}-{_ms(s['max'])}" if s else "-"
+
+
+def _ratio(v):
+    return f"{v:.3f}" if v is not None else "-"
+
+
+def _agree_cells(a):
+    if not a:
+        return ["-", "-"]
+    return [f"{a['top1_agree']:.4f}", f"{a['max_abs_diff']:.3g}"]
+
+
+def _breaks_cell(breaks, compiled):
+    """Explain's graph-break count; ``*`` when the timed compile allowed graph breaks."""
+    if not breaks:
+        return "-"
+    text = "error" if breaks.get("error") else str(breaks["graph_break_count"])
+    return text + ("*" if compiled and not compiled.get("fullgraph", True) else "")
+
+
+BREAKS_FOOTNOTE = "*: timed with graph breaks allowed (compiled with fullgraph=False)"
+TABLE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms/token", "min-max", "vs hf",
+                 "tokens/s", "top-1 agree", "max abs dlogit", "graph breaks"]
+
+
+def table_rows(payload):
+    """The cells of the table, one row per summary row (mode, variant)."""
+    out = []
+    for r in payload["summary"]:
+        v = r["variant"]
+        compiled = r["mode"] == "compiled"
+        breaks = _breaks_cell(payload.get("graph_breaks", {}).get(v),
+                              payload.get("compile", {}).get(f"compiled {v}")) if compiled else "-"
+        out.append([r["mode"], v, _ms(r["prefill_ms"] and r["prefill_ms"]["median"]), _range(r["prefill_ms"]),
+                    _ratio(r["prefill_vs_hf"]), _ms(r["decode_ms"] and r["decode_ms"]["median"]),
+                    _range(r["decode_ms"]), _ratio(r["decode_vs_hf"]),
+                    f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "-",
+                    *_agree_cells(payload.get("agreement", {}).get(v) if v != BASELINE else None),
+                    breaks])
+    return out
+
+
+def describe(meta):
+    c = meta["config"]
+    return (f"Llama {c['num_hidden_layers']} layers x {c['hidden_size']} (intermediate {c['intermediate_size']}, "
+            f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocab {c['vocab_size']}), "
+            f"{meta['dtype']}, batch {meta['batch']}, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, "
+            f"{meta['repeats']} interleaved rounds, on {meta.get('gpu', '?')}")
+
+
+def format_report(payload):
+    """The console report: what ran, what was left out, then the table (the last lines)."""
+    meta, rows = payload["meta"], payload["summary"]
+    lines = [f"e2e: {describe(meta)}",
+             ("prefill: generate(max_new_tokens=1); decode: (T(N) - T(1)) / (N - 1) of one round; "
+              "median and min-max over rounds; agreement: teacher-forced logits vs hf")]
+    for name, why in payload.get("skipped", {}).items():
+        lines.append(f"skipped: {name}: {why}")
+    for e in payload.get("errors", []):
+        lines.append(f"error: {e['where']}: {e['error']}")
+    for note in payload.get("notes", []):
+        lines.append(f"note: {note}")
+    if rows:
+        cells = table_rows(payload)
+        lines += ["", report.render_table(TABLE_HEADERS, cells, left=(0, 1))]
+        if any(c[-1].endswith("*") for c in cells):
+            lines.append(BREAKS_FOOTNOTE)
+    else:
+        lines.append("nothing was measured")
+    return "\n".join(lines)
+
+
+def format_markdown(payload):
+    """A Markdown table for the README."""
+    meta, rows = payload["meta"], payload["summary"]
+    if not rows:
+        return ""
+    lines = [(f"End to end: {describe(meta)}. Milliseconds, median over rounds (min-max); "
+              f"vs hf below 1: faster than with HF's norms."), "",
+             "| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
+    cells = table_rows(payload)
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    if any(c[-1].endswith("*") for c in cells):
+        lines += ["", BREAKS_FOOTNOTE]
+    notes = [f"{k}: {v}" for k, v in payload.get("skipped", {}).items()]
+    if notes:
+        lines += ["", "Skipped: " + "; ".join(notes) + "."]
+    return "\n".join(lines) + "\n"
+
+
+CSV_FIELDS = ("mode", "variant", "prefill_ms", "prefill_ms_min", "prefill_ms_max", "prefill_ms_q1", "prefill_ms_q3",
+              "decode_ms_per_token", "decode_ms_min", "decode_ms_max", "decode_ms_q1", "decode_ms_q3", "rounds",
+              "decode_vs_hf", "prefill_vs_hf", "tokens_per_s", "top1_agree", "max_abs_logit_diff",
+              "graph_breaks", "timed_fullgraph")
+
+
+def csv_rows(payload):
+    out = []
+    for r in payload["summary"]:
+        p, d = r["prefill_ms"] or {}, r["decode_ms"] or {}
+        a = payload.get("agreement", {}).get(r["variant"]) or {}
+        b = payload.get("graph_breaks", {}).get(r["variant"]) or {}
+        compiled = payload.get("compile", {}).get(f"compiled {r['variant']}") or {}
+        out.append({"mode": r["mode"], "variant": r["variant"],
+                    "prefill_ms": p.get("median"), "prefill_ms_min": p.get("min"), "prefill_ms_max": p.get("max"),
+                    "prefill_ms_q1": p.get("q1"), "prefill_ms_q3": p.get("q3"),
+                    "decode_ms_per_token": d.get("median"), "decode_ms_min": d.get("min"),
+                    "decode_ms_max": d.get("max"), "decode_ms_q1": d.get("q1"), "decode_ms_q3": d.get("q3"),
+                    "rounds": d.get("n") or p.get("n"), "decode_vs_hf": r["decode_vs_hf"],
+                    "prefill_vs_hf": r["prefill_vs_hf"], "tokens_per_s": r["tokens_per_s"],
+                    "top1_agree": a.get("top1_agree"), "max_abs_logit_diff": a.get("max_abs_diff"),
+                    "graph_breaks": b.get("graph_break_count") if r["mode"] == "compiled" else None,
+                    "timed_fullgraph": compiled.get("fullgraph") if r["mode"] == "compiled" else None})
+    return out
+
+
+def write_outputs(args, payload):
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name + STEM_SUFFIX)
+    report.write_json(stem + ".json", payload)
+    with open(stem + ".csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for row in csv_rows(payload):
+            w.writerow({k: "" if v is None else v for k, v in row.items()})
+    written = [stem + ".json", stem + ".csv"]
+    md = format_markdown(payload)
+    if md:
+        with open(stem + ".md", "w", encoding="utf-8") as f:
+            f.write(md)
+        written.append(stem + ".md")
+    return written
+
+
+# -- the measuring loop (torch-free: it gets the timing function) --------------------------------------
+def measure_rounds(mode, variants, repeats, new_tokens, time_generate, log, clock=time.perf_counter,
+                   deadline=None):
+    """The interleaved rounds of one mode: per (round, variant) ``time_generate(variant, 1)``
+    then ``time_generate(variant, new_tokens)`` (seconds each). A variant whose call
+    raises drops out of the later rounds; a round that would end past ``deadline`` (a
+    clock value, judged by the last round's length) is not started.
+
+    Returns (timings, errors, notes)."""
+    timings, errors, notes, failed = [], [], [], set()
+    current, round_started = None, None
+    for rnd, variant in interleaved_order(variants, repeats):
+        if rnd != current:
+            now = clock()
+            if deadline is not None and round_started is not None and now + (now - round_started) > deadline:
+                notes.append(f"{mode}: the time budget stopped the rounds after {rnd} of {repeats}")
+                break
+            current, round_started = rnd, now
+        if variant in failed:
+            continue
+        try:
+            for n in (1, new_tokens):
+                seconds = time_generate(variant, n)
+                timings.append({"mode": mode, "variant": variant, "round": rnd, "new_tokens": n,
+                                "seconds": seconds})
+        except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
+            failed.add(variant)
+            timings = [t for t in timings if not (t["variant"] == variant and t["round"] == rnd)]
+            errors.append({"where": f"{mode} {variant} round {rnd}", "error": _err_text(e)})
+            log(f"error: {mode} {variant}: {_err_text(e)}")
+    return timings, errors, notes
+
+
+def _err_text(e):
+    return " ".join(f"{type(e).__name__}: {e}".split())[:400]
+
+
+# -- the model and its variants (torch from here on) ------------------------------------------------------
+def build_model(args):
+    """The random Llama on the device, in the run's dtype (built under it as default
+    dtype, as from_pretrained does: the rotary inv_freq stays float32), norm weights
+    randomized (see NORM_WEIGHT_STD)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(args.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    try:
+        with torch.device(args.device):
+            model = LlamaForCausalLM(LlamaConfig(**model_config(args))).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
+        for m in model.modules():
+            if type(m).__name__ == "LlamaRMSNorm":
+                m.weight.copy_(1.0 + NORM_WEIGHT_STD * torch.randn(m.weight.shape, generator=gen,
+                                                                   device=args.device))
+    return model
+
+
+def shared_weight_copy(model):
+    """A copy of the module tree that shares every parameter and buffer: patching it
+    leaves ``model`` as it is and costs no weight memory."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def apply_liger_rms_norm(model):
+    """Liger's RMSNorm on ``model``'s norm modules, nothing else; returns how many."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except Exception as e:  # noqa: BLE001 - not installed, or Triton missing
+        raise Skipped(f"liger_kernel is not importable ({_err_text(e)})") from None
+    from transformers.models.llama import modeling_llama
+    saved = modeling_llama.LlamaRMSNorm
+    try:
+        apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                                    rms_norm=True, swiglu=False, model=model)
+    finally:
+        modeling_llama.LlamaRMSNorm = saved   # its class-level swap would reach models built later
+    return sum(m._get_name() == "LigerRMSNorm" for m in model.modules())
+
+
+def make_variant(name, base, device):
+    """(model, number of norm modules replaced) of one variant."""
+    if name == BASELINE:
+        return base, 0
+    if device != "cuda":
+        raise Skipped(f"needs CUDA (--device {device})")
+    model = shared_weight_copy(base)
+    if name == "liger":
+        replaced = apply_liger_rms_norm(model)
+    else:
+        from cupy_rmsnorm.torch import patch_hf_rmsnorm
+        if name == "ours":
+            replaced = patch_hf_rmsnorm(model)
+        else:
+            try:
+                replaced = patch_hf_rmsnorm(model, fuse_residual=True)
+            except TypeError as e:
+                if "fuse_residual" not in str(e):
+                    raise
+                raise Skipped(f"this cupy_rmsnorm's patch_hf_rmsnorm has no fuse_residual keyword "
+                              f"({_err_text(e)})") from None
+    if not replaced:
+        raise RuntimeError("no norm module was replaced")
+    return model, replaced
+
+
+def modeling_fingerprint():
+    """{name: identity} of transformers' Llama classes, their forwards and functions: a
+    variant's patch must change instances only, or hf would run the patch too."""
+    from transformers.models.llama import modeling_llama
+    out = {}
+    for name, obj in vars(modeling_llama).items():
+        if isinstance(obj, type) or callable(obj):
+            out[name] = (id(obj), id(vars(obj).get("forward")) if isinstance(obj, type) else None)
+    return out
+
+
+def token_ids(args, batch, length, offset):
+    import torch
+    gen = torch.Generator(device=args.device).manual_seed(args.seed + offset)
+    return torch.randint(3, args.vocab, (batch, length), generator=gen, device=args.device)
+
+
+def logits_of(model, ids):
+    import torch
+    with torch.inference_mode():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def agreement(logits, reference):
+    diff = (logits - reference).abs()
+    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+            "top1_agree": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
+            "reference_max_abs_logit": float(reference.abs().max())}
+
+
+def graph_breaks(model, ids):
+    """Graph breaks of one whole-model forward under Dynamo (no compile). Note that
+    explain resets Dynamo: it must run before anything is compiled."""
+    import torch
+    import torch._dynamo
+    with torch.no_grad():
+        out = torch._dynamo.explain(model)(input_ids=ids, use_cache=False)
+    reasons = list(dict.fromkeys(" ".join(str(r.reason).split())[:300] for r in out.break_reasons))
+    return {"graph_count": out.graph_count, "graph_break_count": out.graph_break_count,
+            "break_reasons": reasons[:10]}
+
+
+def dynamo_counters():
+    """Dynamo's and Inductor's counters, flat ({"stats.unique_graphs": n, ...})."""
+    from torch._dynamo.utils import counters
+    return {f"{cat}.{key}": n for cat, c in counters.items() for key, n in c.items()}
+
+
+def raise_recompile_limits():
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    for names in (("recompile_limit", "cache_size_limit"),
+                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        for attr in names:
+            if hasattr(cfg, attr):
+                setattr(cfg, attr, max(getattr(cfg, attr), RECOMPILE_LIMIT))
+                break
+
+
+class TimedGenerate:
+    """Timed ``generate`` calls of every variant in one mode."""
+
+    def __init__(self, args, models, prompt, mode):
+        import torch
+        from transformers import CompileConfig, GenerationConfig
+        self.torch, self.models, self.prompt, self.mode = torch, models, prompt, mode
+        self.sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+        self.kwargs = {"attention_mask": torch.ones_like(prompt), "do_sample": False, "pad_token_id": 0}
+        self.compile_configs = {}
+        if mode == "compiled":
+            self.kwargs["cache_implementation"] = "static"
+            if hasattr(GenerationConfig(), "max_cache_len"):   # T(1) and T(N) share one cache size, one graph
+                self.kwargs["max_cache_len"] = prompt.shape[1] + args.new_tokens
+            for name in models:
+                config = CompileConfig(fullgraph=not args.no_fullgraph)
+                if args.device != "cuda":
+                    config._compile_all_devices = True      # generate compiles on CUDA only, unless told
+                self.compile_configs[name] = config
+
+    def fullgraph(self, variant):
+        config = self.compile_configs.get(variant)
+        return bool(config and config.fullgraph)
+
+    def allow_graph_breaks(self, variant):
+        """Compile ``variant`` again with graph breaks allowed (a new config: a new torch.compile)."""
+        from transformers import CompileConfig
+        old = self.compile_configs[variant]
+        new = CompileConfig(fullgraph=False)
+        new._compile_all_devices = old._compile_all_devices
+        self.compile_configs[variant] = new
+
+    def __call__(self, variant, new_tokens):
+        torch = self.torch
+        kwargs = dict(self.kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        if variant in self.compile_configs:
+            kwargs["compile_config"] = self.compile_configs[variant]
+        # eager: inference_mode, as a server runs; compiled: generate's own no_grad, as
+        # transformers' compile path is used and tested (no inference tensors in the static cache)
+        context = torch.inference_mode() if self.mode == "eager" else torch.no_grad()
+        self.sync()
+        t0 = time.perf_counter()
+        with context:
+            out = self.models[variant].generate(self.prompt, **kwargs)
+        self.sync()
+        seconds = time.perf_counter() - t0
+        if out.shape[1] != self.prompt.shape[1] + new_tokens:
+            raise RuntimeError(f"generated {out.shape[1] - self.prompt.shape[1]} tokens, not {new_tokens}")
+        return seconds
+
+
+def versions():
+    import platform
+    from importlib import metadata
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "cupy-cuda13x", "cupy-cuda12x", "cupy", "liger-kernel", "triton",
+                 "numpy", "cupy-rmsnorm"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch_cuda"] = torch.version.cuda
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def cannot_run(device):
+    """None when the run can start, else the one line to print: no GPU (as the report
+    says it), or no torch / transformers."""
+    from .cli import no_gpu_message
+    if device == "cuda":
+        reason = timing.gpu_missing()
+        if reason:
+            return no_gpu_message(reason)
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return f"cupy-rmsnorm-bench e2e: needs PyTorch and transformers; torch is not importable ({_err_text(e)})"
+    if device == "cuda" and not torch.cuda.is_available():
+        return no_gpu_message("PyTorch sees no CUDA device")
+    if importlib.util.find_spec("transformers") is None:
+        return "cupy-rmsnorm-bench e2e: needs PyTorch and transformers; transformers is not installed"
+    return None
+
+
+def main(argv=None):
+    from .cli import EXIT_NO_GPU
+    args = parse_args(argv)
+    message = cannot_run(args.device)
+    if message:
+        print(message, file=sys.stderr)
+        return EXIT_NO_GPU
+    return run(args)
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args):
+    import torch
+    started = time.perf_counter()
+    deadline = None if args.budget_s is None else started + args.budget_s
+
+    def elapsed():
+        return time.perf_counter() - started
+
+    from .cli import git_info, nvidia_driver_version
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    commit, dirty = git_info(root)
+    cuda = args.device == "cuda"
+    meta = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "device": args.device,
+            "driver_version": nvidia_driver_version() if cuda else None, "versions": versions(),
+            "git_commit": commit, "git_dirty": dirty,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[1:], "config": model_config(args),
+            "dtype": args.dtype, "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "agree_tokens": args.agree_tokens, "modes": args.modes,
+            "variants": {v: VARIANT_TITLES[v] for v in args.variants},
+            "mode_titles": {m: MODE_TITLES[m] for m in args.modes}, "fullgraph": not args.no_fullgraph,
+            "norm_weights": f"1 + N(0, {NORM_WEIGHT_STD})", "budget_s": args.budget_s}
+    payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}, "graph_breaks": {},
+               "compile": {}, "timed_counters": {}, "timings": [], "summary": []}
+    interrupted = False
+    try:
+        measure_all(args, payload, elapsed, deadline)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: saving what was measured")
+    written = finish(args, payload, elapsed)
+    for path in written:
+        log(f"wrote {path}")
+    print(format_report(payload))
+    if interrupted:
+        return 130
+    return 0 if payload["summary"] else 1
+
+
+def measure_all(args, payload, elapsed, deadline):
+    """Model, variants, agreement, graph breaks, then each mode's warm-up and rounds,
+    all into ``payload`` (written to disk after each mode)."""
+    meta = payload["meta"]
+    log(f"e2e on {meta['gpu']}: building the model ...")
+    base = build_model(args)
+    meta["parameters"] = sum(p.numel() for p in base.parameters())
+    meta["build_s"] = elapsed()
+
+    models, replaced = {}, {}
+    for name in args.variants:
+        before = modeling_fingerprint()
+        try:
+            models[name], replaced[name] = make_variant(name, base, args.device)
+        except Skipped as e:
+            payload["skipped"][name] = str(e)
+            log(f"skipped: {name}: {e}")
+        except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
+            payload["errors"].append({"where": f"patch {name}", "error": _err_text(e)})
+            log(f"error: patch {name}: {_err_text(e)}")
+        after = modeling_fingerprint()
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        if changed:
+            payload["errors"].append({"where": f"patch {name}", "error": f"changed transformers' modeling_llama "
+                                      f"({', '.join(changed)}): hf and every variant run that change too"})
+            log(f"error: patch {name} changed transformers' modeling_llama: {', '.join(changed)}")
+    meta["replaced_norms"] = replaced
+
+    # Agreement: one teacher-forced forward per variant against hf's logits.
+    ids = token_ids(args, 1, args.agree_tokens, offset=2)
+    reference = logits_of(models[BASELINE], ids)
+    for name in [n for n in models if n != BASELINE]:
+        try:
+            payload["agreement"][name] = agreement(logits_of(models[name], ids), reference)
+        except Exception as e:  # noqa: BLE001
+            payload["errors"].append({"where": f"agreement {name}", "error": _err_text(e)})
+            log(f"error: agreement {name}: {_err_text(e)}")
+            del models[name]
+    del reference
+
+    if "compiled" in args.modes:   # explain resets Dynamo: before any compile
+        short = ids[:, :EXPLAIN_TOKENS]
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            try:
+                payload["graph_breaks"][name] = graph_breaks(model, short)
+            except Exception as e:  # noqa: BLE001 - reported in the table as "error"
+                payload["graph_breaks"][name] = {"error": _err_text(e)}
+            payload["graph_breaks"][name]["seconds"] = time.perf_counter() - t0
+            log(f"graph breaks of {name}: {payload['graph_breaks'][name].get('graph_break_count', 'error')}")
+        raise_recompile_limits()
+
+    prompt = token_ids(args, args.batch, args.prompt, offset=3)
+    for mode in args.modes:
+        generate = TimedGenerate(args, models, prompt, mode)
+        ready = warm_up(mode, models, generate, args, payload, elapsed)
+        log(f"{mode}: {args.repeats} rounds of {', '.join(ready)} ...")
+        before = dynamo_counters()
+        timings, errors, notes = measure_rounds(mode, ready, args.repeats, args.new_tokens, generate, log,
+                                                deadline=deadline)
+        timed = counter_delta(before, dynamo_counters())
+        payload["timed_counters"][mode] = timed
+        grew = graph_count_of(timed)
+        if grew:
+            notes.append(f"{mode}: {grew} graphs were compiled during the timed rounds (recompiles): "
+                         f"their times include that")
+        payload["timings"] += timings
+        payload["errors"] += errors
+        payload["notes"] += notes
+        for note in notes:
+            log(f"note: {note}")
+        finish(args, payload, elapsed, write_only=True)     # a later crash keeps this mode's results
+
+
+def warm_up(mode, models, generate, args, payload, elapsed):
+    """Warm every variant up in ``mode``; returns the variants ready to be timed.
+
+    Compiled: the first call compiles (checked in Dynamo's counters). A variant that
+    fails to compile as one graph is compiled again with graph breaks allowed, so it
+    still gets a time (marked as such), after every other variant: a compile with many
+    breaks can take long, and the budget goes to the others first."""
+    ready = [name for name in models if _warm_up_one(mode, name, generate, args, payload, elapsed)]
+    retry = [name for name in models if payload["compile"].get(f"{mode} {name}", {}).get("fullgraph_failed")]
+    for name in retry:
+        generate.allow_graph_breaks(name)
+        if _warm_up_one(mode, name, generate, args, payload, elapsed):
+            ready.append(name)
+    return [name for name in models if name in ready]
+
+
+def is_dynamo_error(e):
+    """Whether ``e`` (or what caused it) is Dynamo's: a graph break under fullgraph=True
+    raises one of torch._dynamo.exc's errors."""
+    while e is not None:
+        if type(e).__module__.startswith("torch._dynamo"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _warm_up_one(mode, name, generate, args, payload, elapsed):
+    """Three generate calls of one variant; True when it is ready to be timed."""
+    key = f"{mode} {name}"
+    if mode == "compiled" and not fits_budget(elapsed(), COMPILE_ESTIMATE_S, args.budget_s):
+        payload["skipped"][key] = f"the time budget ({args.budget_s:.0f} s) left no room to compile"
+        return False
+    fullgraph = generate.fullgraph(name)
+    log(f"{mode}: warming up {name}" + (" (fullgraph)" if fullgraph else "") + " ...")
+    before, t0 = dynamo_counters(), time.perf_counter()
+    error, graph_break = None, False
+    try:
+        # N first: in compiled mode it compiles and sizes the static cache for T(1) too
+        for n in (args.new_tokens, 1, args.new_tokens):
+            generate(name, n)
+    except Exception as e:  # noqa: BLE001 - reported; the other variants go on
+        error, graph_break = _err_text(e), is_dynamo_error(e)
+    delta = counter_delta(before, dynamo_counters())
+    payload["compile"][key] = {"warmup_s": time.perf_counter() - t0,
+                               "fullgraph": fullgraph if mode == "compiled" else None,
+                               "graphs": graph_count_of(delta), "counters": delta}
+    if error:
+        retry = fullgraph and graph_break
+        where = f"{key} fullgraph compile" if retry else f"{key} warm-up"
+        payload["errors"].append({"where": where, "error": error})
+        log(f"error: {where}: {error}" + ("; compiling it again with graph breaks allowed, after the others"
+                                           if retry else ""))
+        payload["compile"][key]["fullgraph_failed"] = retry
+        return False
+    if mode == "compiled" and graph_count_of(delta) == 0:
+        payload["errors"].append({"where": key, "error": "generate compiled nothing (transformers' "
+                                  "auto-compile criteria not met?): not timed"})
+        return False
+    return True
+
+
+def finish(args, payload, elapsed, write_only=False):
+    payload["summary"] = summarize(payload["timings"], args.new_tokens, args.batch)
+    payload["meta"]["seconds"] = elapsed()
+    written = write_outputs(args, payload)
+    return [] if write_only else written
