@@ -136,6 +136,7 @@ def register_torch_ops():
     if _compiling is None:
         import torch
         from . import _torch_ops  # noqa: F401 - the import registers them
+        TorchKind.bind()
         # is_dynamo_compiling: a plain `return False` in eager (cheaper than is_compiling)
         _compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 

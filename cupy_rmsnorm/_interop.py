@@ -80,10 +80,6 @@ class CupyKind:
         return a.data.ptr
 
     @staticmethod
-    def pointer_getter():
-        return CupyKind.ptr
-
-    @staticmethod
     def empty_getter(x_row_strides, n_inner, hidden):
         """A function making a fresh contiguous output like x (on the current device)."""
         cupy = _cupy()
@@ -116,11 +112,24 @@ class CupyKind:
         return _cupy().cuda.get_current_stream().ptr
 
 
+
 class TorchKind:
     """PyTorch tensors: launched on torch's current stream of the tensors' device (so work
     under ``torch.cuda.stream(s)`` is ordered), outputs from torch's caching allocator."""
     name = "torch"
     _dtypes = None
+
+    @classmethod
+    def bind(cls):
+        """Once torch is imported: the hot-path functions become torch's C functions
+        themselves (no Python wrapper call per use)."""
+        torch = sys.modules["torch"]
+        cls.ptr = staticmethod(torch.Tensor.data_ptr)
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # absent in CPU builds
+        if raw_stream is not None:
+            cls.stream = staticmethod(raw_stream)
+        cls.grad_enabled = staticmethod(torch.is_grad_enabled)
+        cls.inference_mode = staticmethod(torch.is_inference_mode_enabled)
 
     @classmethod
     def _dtype_map(cls):
@@ -157,10 +166,6 @@ class TorchKind:
         return t.data_ptr()
 
     @staticmethod
-    def pointer_getter():
-        return sys.modules["torch"].Tensor.data_ptr      # the C method itself: no wrapper call
-
-    @staticmethod
     def empty_getter(x_row_strides, n_inner, hidden):
         """A function making a fresh contiguous output like x. When x's rows are contiguous,
         torch's default (preserve x's layout) is contiguous already, and cheaper to ask for."""
@@ -193,6 +198,7 @@ class TorchKind:
     @staticmethod
     def stream(device):
         return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+
 
 
 def _cupy():

@@ -132,9 +132,11 @@ class Launcher:
         self.fresh_out = OUT not in self.given_outputs
         self.fresh_residual_out = self.fused and RESIDUAL_OUT not in self.given_outputs
         self._overlap_pairs = self._pairs_to_keep_apart(layout)
-        self._ptr = kind.pointer_getter()
+        self._ptr = kind.ptr
         self._empty = kind.empty_getter(layout.row_strides[X], layout.n_inner, layout.hidden)
         self._stream = kind.stream
+        self._grad_enabled = kind.grad_enabled
+        self._device_index = self.device.index
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
@@ -203,13 +205,13 @@ class Launcher:
         Returns the result, or None when the full path must decide (nothing was done).
         ``checked``: the full path has just validated these very arrays.
         """
-        if self.grad_check and self.kind.grad_enabled():
+        if self.grad_check and self._grad_enabled():
             return None
         if self.inference_check and not self.kind.inference_mode():
             return None
-        if self._get_device() == self.device.index:
+        if self._get_device() == self._device_index:
             return self._run(arrays, checked)
-        with self._device_context(self.device.index):   # allocate and launch on the arrays' device
+        with self._device_context(self._device_index):   # allocate and launch on the arrays' device
             return self._run(arrays, checked)
 
     def _run(self, arrays, checked):
@@ -252,7 +254,7 @@ class Launcher:
         if entry is None:
             entry = self._by_low_bits[key] = self._launch_entry(bits, px)
         kernel, argv, _ = entry
-        stream = self._stream(self.device.index)
+        stream = self._stream(self._device_index)
         with self._lock:
             _pack_pointers(self._slots, 0, *slots)
             _driver.launch(self.device, kernel, stream, argv)
