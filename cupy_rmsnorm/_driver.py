@@ -113,7 +113,8 @@ def _load_launch_ex():
             except AttributeError:    # a driver older than CUDA 12.0
                 fn = None
             if fn is not None:
-                fn.argtypes = [ctypes.c_void_p] * 4
+                # no argtypes: every argument is a ready-made c_void_p (or None), which ctypes
+                # passes as it is, skipping a conversion per argument and call
                 fn.restype = ctypes.c_int
                 _launch_ex = fn
     return _launch_ex
