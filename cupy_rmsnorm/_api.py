@@ -58,8 +58,8 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, out=None, residual
     return _call(True, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
 
 
-# torch.compiler.is_compiling once torch ops are registered (_torch_ops): while dynamo
-# traces, a call becomes the registered op instead of this module's Python.
+# torch.compiler.is_dynamo_compiling once the torch ops are registered (register_torch_ops):
+# while dynamo traces, a call becomes the registered op instead of this module's Python.
 _compiling = None
 
 
