@@ -1,5 +1,9 @@
-import os
-import sys
+"""The tests import whichever cupy_rmsnorm Python finds: the installed package (README's
+``pip install ".[cuda12,test]" && pytest -q tests``), or the source tree where it comes
+first on the path (``PYTHONPATH=$PWD``, as the GPU scripts run it). The header says which.
+"""
 
-# Run from the source tree without installing (the README's test command does the same).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def pytest_report_header(config):
+    import cupy_rmsnorm
+    return f"cupy_rmsnorm: {cupy_rmsnorm.__file__}"

@@ -1,6 +1,7 @@
 """Shared test helpers: GPU / torch availability (with the reason shown on skip), dtypes."""
 
 import functools
+import os
 
 import ml_dtypes
 import numpy as np
@@ -29,6 +30,17 @@ def torch_cuda_missing():
     except Exception as e:  # noqa: BLE001
         return f"PyTorch is not installed ({type(e).__name__})"
     return None if torch.cuda.is_available() else "PyTorch sees no CUDA device"
+
+
+def child_env(**overrides):
+    """The environment of a child Python that is to import the cupy_rmsnorm this session
+    imported: that package's folder first on PYTHONPATH. Run the child in a folder with
+    no cupy_rmsnorm/ of its own (``tmp_path``): ``-c`` and ``-m`` put the working folder first."""
+    import cupy_rmsnorm
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cupy_rmsnorm.__file__)))
+    env = dict(os.environ, **overrides)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 requires_gpu = pytest.mark.skipif(gpu_missing() is not None, reason=f"GPU test: {gpu_missing()}")

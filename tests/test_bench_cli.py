@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import child_env
 
 from cupy_rmsnorm.bench import cli, peers, progress, report, shapes, timing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = {"variant": "block", "vec": 8, "threads_per_row": 256, "vecs_per_thread": 2,
         "rows_per_block": 1, "block": 256, "grid": 4096}
 
@@ -268,10 +268,9 @@ def test_no_gpu_is_one_line_and_a_nonzero_exit(monkeypatch, capsys):
     assert "no device (detail)" in out.err
 
 
-def test_no_gpu_from_the_command_line():
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "--quick"], cwd=ROOT, env=env,
+def test_no_gpu_from_the_command_line(tmp_path):
+    env = child_env(CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "--quick"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stdout == ""

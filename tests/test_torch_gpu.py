@@ -6,7 +6,6 @@ file and skips it.
 """
 
 import copy
-import os
 import subprocess
 import sys
 import warnings
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 import cupy_rmsnorm as rn
-from helpers import requires_gpu, requires_torch_gpu, torch_cuda_missing
+from helpers import child_env, requires_gpu, requires_torch_gpu, torch_cuda_missing
 
 if torch_cuda_missing() is None:
     import torch
@@ -525,17 +524,17 @@ def test_tensors_on_the_second_gpu_run_there():
 
 # -- torch is imported only when needed ----------------------------------------------------
 
-def test_importing_the_library_does_not_import_torch():
+def test_importing_the_library_does_not_import_torch(tmp_path):
     try:
         import torch  # noqa: F401
     except ImportError:
         pytest.skip("torch is not installed: nothing could import it")
     code = ("import sys, numpy as np, cupy_rmsnorm as rn\n"
+            f"assert rn.__file__ == {rn.__file__!r}, 'the child imported another cupy_rmsnorm: ' + rn.__file__\n"
             "rn.rms_norm(np.ones((2, 8), np.float32), np.ones(8, np.float32))\n"
             "assert 'torch' not in sys.modules, 'cupy_rmsnorm imported torch'\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=tmp_path,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
