@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import cupy_rmsnorm as rn
-from helpers import child_env, requires_gpu, requires_torch_gpu, torch_cuda_missing
+from helpers import (DTYPE_NAMES, TOL, child_env, requires_gpu, requires_torch_gpu, requires_two_torch_gpus,
+                     torch_cuda_missing)
 
 if torch_cuda_missing() is None:
     import torch
@@ -24,27 +25,12 @@ if torch_cuda_missing() is None:
 
     import cupy_rmsnorm.torch as rnt
 
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-# (rtol, atol): about two units in the last place of each dtype for values of order one.
-TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 # Share of elements that must be bit-identical to an eager reference of the same formula
 # (16-bit dtypes; at least two may differ): only the order of the float32 sum differs,
 # which flips a 16-bit rounding very rarely.
 MIN_EXACT = 0.99
 SHAPES = [(1, 4096), (33, 1000), (4, 3, 256), (2, 16384), (5, 7), (3, 40000)]
 SLEEP_CYCLES = 200_000_000   # about 0.1 s of torch.cuda._sleep on an H200
-
-
-def _second_gpu_missing():
-    reason = torch_cuda_missing()
-    if reason:
-        return reason
-    n = torch.cuda.device_count()
-    return None if n >= 2 else f"needs a second GPU, torch sees {n}"
-
-
-requires_two_torch_gpus = pytest.mark.skipif(_second_gpu_missing() is not None,
-                                             reason=f"non-default device test: {_second_gpu_missing()}")
 
 
 # -- helpers -------------------------------------------------------------------------------
