@@ -27,7 +27,7 @@ def rec(impl, us, mode="graph", op="rms", dtype="bfloat16", tokens=4096, hidden=
 
 
 # -- arguments ----------------------------------------------------------------------------------
-def test_default_arguments_are_the_issue_grid():
+def test_default_arguments_are_the_standard_grid():
     args = cli.parse_args([])
     assert args.ops == ["rms", "fused"]
     assert args.dtypes == ["bfloat16", "float16"]

@@ -1,4 +1,4 @@
-"""patch_hf_rmsnorm on a real transformers LlamaForCausalLM (issue 3), on the GPU.
+"""patch_hf_rmsnorm on a real transformers LlamaForCausalLM, on the GPU.
 
 A small randomly initialized model (nothing downloaded), bfloat16 on CUDA: the logits
 with this library's norms must match the original LlamaRMSNorm modules within bfloat16

@@ -1,4 +1,4 @@
-"""Two GPUs (issue 6): arrays on device 1 run there, mixed devices are refused before any
+"""Two GPUs: arrays on device 1 run there, mixed devices are refused before any
 launch, each device compiles its kernels once, and two threads can drive the two GPUs
 at once. Every test skips with the reason when fewer than two GPUs are present.
 """

@@ -1,4 +1,4 @@
-"""PyTorch interop on the GPU (issue 3): zero copy, streams, CUDA graphs, numerics, modules.
+"""PyTorch interop on the GPU: zero copy, streams, CUDA graphs, numerics, modules.
 
 Every test here needs a CUDA GPU (torch tests also need torch) and skips with the reason
 otherwise; torch is imported only where it is usable, so CI without torch collects this

@@ -79,7 +79,8 @@ def build_parser():
                    help="bf16, fp16, fp32 (default: bf16,fp16; --quick: bf16)")
     p.add_argument("--shapes", type=_shape_spec, nargs="+", default=None, metavar="TxH",
                    help="shapes as TOKENSxHIDDEN, either side a comma list for every combination "
-                        "(e.g. 1,32x8192,16384); default: the issue's grid")
+                        "(e.g. 1,32x8192,16384); default: the standard grid of "
+                        f"{len(shapes.DEFAULT_SHAPES)} shapes")
     p.add_argument("--modes", type=_list(str, shapes.MODES, "mode"), default=list(shapes.MODES),
                    help="graph, cold, hot (default: all three)")
     p.add_argument("--peers", type=_peers, default=list(SELECTABLE),
