@@ -8,11 +8,11 @@ Needs a CUDA GPU and torch with CUDA; skipped, with the reason shown, everywhere
 import pytest
 from helpers import DTYPE_NAMES, EPS, FUSED, OPS, requires_torch_gpu, seed, torch_cuda_missing
 
+from cupy_rmsnorm.bench.arrays import to_cupy
+
 if torch_cuda_missing() is None:
     import cupy as cp
     import gpu_reference as G
-
-    from cupy_rmsnorm.bench.arrays import to_cupy
 
 pytestmark = [requires_torch_gpu, pytest.mark.usefixtures("free_gpu_memory")]
 
