@@ -1,4 +1,4 @@
-"""Per-call host cost of cupy_rmsnorm from Python, against torch, in one run (issue 3).
+"""Per-call host cost of cupy_rmsnorm from Python, against torch, in one run.
 
 Decode normalizes one row per sequence, and its kernels take a few microseconds, so
 what each call costs the CPU decides the step time. Each case makes CALLS back-to-back
@@ -21,33 +21,14 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy_rmsnorm as rn  # noqa: E402
-
-
-def measure(fn, sync, calls, repeats, warmup):
-    for _ in range(warmup):
-        fn()
-    sync()
-    host, total = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / calls * 1e6)
-        total.append((t2 - t0) / calls * 1e6)
-    return {"host_us": statistics.median(host), "total_us": statistics.median(total),
-            "host_us_repeats": host, "total_us_repeats": total}
+from cupy_rmsnorm.bench.timing import host_times  # noqa: E402
 
 
 def _capture_launch(call):
@@ -182,9 +163,9 @@ def main(argv=None):
             try:
                 if context is not None:
                     with context():
-                        m = measure(fn, sync, args.calls, args.repeats, args.warmup)
+                        m = host_times(fn, sync, args.calls, args.repeats, args.warmup)
                 else:
-                    m = measure(fn, sync, args.calls, args.repeats, args.warmup)
+                    m = host_times(fn, sync, args.calls, args.repeats, args.warmup)
                 results.append({"case": name, **m})
             except Exception as e:  # noqa: BLE001
                 results.append({"case": name, "error": f"{type(e).__name__}: {e}"})

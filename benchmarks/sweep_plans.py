@@ -20,34 +20,14 @@ import numpy as np
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _driver, _launcher
 from cupy_rmsnorm._plan import launch_plan as heuristic
+from cupy_rmsnorm.bench import timing
 
 SHAPES = [(1, 4096), (32, 4096), (256, 4096), (1024, 4096), (4096, 4096), (16384, 4096),
           (1, 8192), (256, 8192), (1024, 8192), (4096, 8192), (16384, 8192),
           (4096, 512), (4096, 1024), (4096, 2048), (4096, 255), (4096, 4095), (4096, 8193),
           (256, 5120), (256, 7168), (1, 16384), (8, 16384), (32, 16384), (1, 32768), (32, 32768),
           (32, 8192)]
-
-
-def graph_us(fn, calls=100, repeats=7):
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        fn()
-        s.synchronize()
-        s.begin_capture()
-        for _ in range(calls):
-            fn()
-        g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        ts = []
-        for _ in range(repeats):
-            e0.record(s)
-            g.launch(s)
-            e1.record(s)
-            e1.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1000 / calls)
-    return float(np.median(ts))
+CALLS, REPEATS = 100, 7    # calls per CUDA graph, replays timed (the median counts)
 
 
 PDL = {}   # device 0: whether the driver launches with PDL at all (found in main)
@@ -107,8 +87,8 @@ def main():
     big = cp.empty(1 << 30, dtype=cp.uint8)
     copy_dst = cp.empty_like(big)
     d2d = cp.cuda.runtime.memcpyDeviceToDevice
-    copy_us = graph_us(lambda: cp.cuda.runtime.memcpyAsync(copy_dst.data.ptr, big.data.ptr, big.nbytes, d2d,
-                                                           cp.cuda.get_current_stream().ptr), calls=10)
+    copy_us = timing.graph_us(lambda: cp.cuda.runtime.memcpyAsync(copy_dst.data.ptr, big.data.ptr, big.nbytes, d2d,
+                                                                  cp.cuda.get_current_stream().ptr), 10, REPEATS)
     copy_gbps = 2 * big.nbytes / copy_us / 1e3
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     del big, copy_dst
@@ -137,7 +117,7 @@ def main():
                                  **{k: v for k, v in ov.items() if k != "pdl"})
                 try:
                     with forced(**ov):
-                        us = graph_us(fn)
+                        us = timing.graph_us(fn, CALLS, REPEATS)
                 except Exception as e:  # noqa: BLE001 - report the config and go on
                     print(f"  {name} {plan}: {type(e).__name__}: {e}", flush=True)
                     continue

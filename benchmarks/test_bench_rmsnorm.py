@@ -13,7 +13,7 @@ plan. The full comparison with the peers is ``python -m cupy_rmsnorm.bench``.
 import statistics
 
 import pytest
-from helpers import requires_gpu
+from helpers import ULP_REL, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -22,7 +22,6 @@ SHAPES = [(1, 4096), (32, 4096), (256, 4096), (1024, 4096), (4096, 4096), (16384
 DTYPES = ("bfloat16", "float16")
 ROUNDS = {"graph": 10, "cold": 30, "hot": 5}
 CALL_LIMITS = {"graph": (20, 200), "hot": (10, 100)}     # as the report's defaults
-ULP = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -23}
 
 
 @pytest.mark.parametrize("mode", list(ROUNDS))
@@ -36,7 +35,7 @@ def test_rmsnorm(benchmark, gpu, op, shape, dtype, mode):
     fn = peers.build("ours", case)
     err = case.max_abs_err(timing.warm_up(gpu.runner, fn))
     # what is timed must compute the op: within two ulp of the largest output
-    tol = 2 * ULP[dtype] * float(abs(case.reference()).max())
+    tol = 2 * ULP_REL[dtype] * float(abs(case.reference()).max())
     assert err <= tol, f"max abs error {err} > {tol}"
 
     nbytes = shapes.logical_bytes(op, tokens, hidden, shapes.ITEMSIZE[dtype])

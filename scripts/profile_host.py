@@ -1,29 +1,20 @@
 """Where the host time of one call goes (cProfile over back-to-back 1 x 4096 bf16 calls)."""
 import cProfile
 import pstats
-import time
 
 import cupy as cp
 import ml_dtypes
 import numpy as np
 
 import cupy_rmsnorm as rn
+from cupy_rmsnorm.bench.timing import host_times
 
 N = 3000
 
 
 def per_call(fn, sync):
-    for _ in range(200):
-        fn()
-    sync()
-    best = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(N):
-            fn()
-        sync()
-        best.append((time.perf_counter() - t) / N * 1e6)
-    return float(np.median(best))
+    """Microseconds per call, to the end of the final synchronize (median of 5 x N calls)."""
+    return host_times(fn, sync, N, repeats=5, warmup=200)["total_us"]
 
 
 x = cp.asarray(np.random.randn(1, 4096).astype(ml_dtypes.bfloat16))

@@ -1,69 +1,32 @@
-"""Float64 references and bit-level helpers on the GPU, for tests/test_gpu_correctness.py.
+"""Float64 references, bit-level checks, random inputs and calls on the GPU, for the GPU
+suites (tests/test_gpu_*.py).
 
 The reference follows the numerics contract of cupy_rmsnorm/_reference.py, computed in
 float64 instead of float32: the fused op normalizes the residual sum *after* it was
 rounded to the storage dtype (the caller passes that rounded sum in), ``casting_mode=
 "llama"`` rounds ``x * inv_rms`` to the dtype before the weight multiply, and the final
-rounding to the dtype is left to the comparison's tolerance.
+rounding to the dtype is left to the comparison's tolerance (tests/helpers.py).
 
-bfloat16 is converted through its bits (a bfloat16 is the top half of a float32) by
-small elementwise kernels, so nothing here leans on CuPy's bfloat16 arithmetic; the only
-bfloat16 arithmetic CuPy is asked for is the fused op's expected ``x + residual``, which
-the tests take from CuPy on purpose (the "dtype add" the contract names).
+bfloat16 is converted through its bits (cupy_rmsnorm.bench.arrays), so nothing here leans
+on CuPy's bfloat16 arithmetic; the only bfloat16 arithmetic CuPy is asked for is the
+fused op's expected ``x + residual``, which the tests take from CuPy on purpose (the
+"dtype add" the contract names).
 
 Importing this module needs CuPy; the GPU tests import it only when a GPU is present.
 """
 
+import math
+
 import cupy as cp
-import ml_dtypes
 import numpy as np
+from helpers import (EPS, FLOAT32_RTOL, FUSED, MANTISSA_BITS, MIN_SPACING, NOISE_REL, REFERENCE_ATOL,
+                     ULP_REL)
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-_UINT = {2: cp.uint16, 4: cp.uint32}
-# quiet NaN bit patterns, used to poison outputs before a call
-NAN_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
-MANTISSA_BITS = {"float32": 23, "float16": 10, "bfloat16": 7}
-# the smallest spacing of each 16-bit dtype (float16 subnormals; bfloat16's never matter)
-MIN_SPACING = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
-# the spacing of the dtype's numbers relative to a value at the bottom of its binade,
-# so |a - b| <= ULP_REL * |b| allows (at least) one ulp
-ULP_REL = {k: 2.0 ** -p for k, p in MANTISSA_BITS.items()}
-# absolute slack near zero (float16 subnormals are spaced 2**-24 apart)
-ATOL = {"float32": 1e-12, "float16": 4 * 2.0 ** -24, "bfloat16": 1e-12}
-# The kernel's float32 arithmetic (the sum of squares over up to 262144 terms in its own
-# order, rsqrtf, the products) is typically ~1e-6 relative off the float64 value. For
-# float32 outputs that is the whole tolerance; for 16-bit outputs it is the slack on top
-# of the rounding.
-FLOAT32_RTOL = 1e-5
-NOISE_REL = 1e-5
+import cupy_rmsnorm as rn
+from cupy_rmsnorm.bench.arrays import (BFLOAT16, NAN_BITS, UINT, bits, from_float32, poison,  # noqa: F401
+                                       to_float32, to_float64)
 
 
-def name(dtype):
-    return np.dtype(dtype).name
-
-
-def bits(a):
-    """``a`` as unsigned integers of its item size (same shape and strides, no copy)."""
-    return a.view(_UINT[a.itemsize])
-
-
-def poison(buf):
-    """Fill a whole buffer with quiet NaNs (through its bits, for every dtype)."""
-    bits(buf).fill(NAN_BITS[name(buf.dtype)])
-
-
-# bfloat16 <-> float conversions through the bits: one elementwise kernel each, exact
-# (bfloat16 -> float) or round-to-nearest-even with NaN kept NaN (float -> bfloat16)
-_bf16_to_f32 = cp.ElementwiseKernel(
-    "uint16 u", "float32 f", "f = __uint_as_float(((unsigned int)u) << 16)", "test_bf16_to_f32")
-_bf16_to_f64 = cp.ElementwiseKernel(
-    "uint16 u", "float64 f", "f = (double)__uint_as_float(((unsigned int)u) << 16)", "test_bf16_to_f64")
-_f32_to_bf16 = cp.ElementwiseKernel(
-    "float32 f", "uint16 u",
-    """unsigned int b = __float_as_uint(f);
-    u = (b & 0x7fffffffu) > 0x7f800000u ? (unsigned short)0x7fc0
-        : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);""",
-    "test_f32_to_bf16")
 # elements where got is neither equal to ref nor within tol of it (NaN counts as bad)
 _count_bad = cp.ReductionKernel(
     "float64 g, float64 r, float64 t", "int64 n",
@@ -71,28 +34,8 @@ _count_bad = cp.ReductionKernel(
     reduce_type="long long")
 
 
-def to_float32(a):
-    """float32 copy of a float32 / float16 / bfloat16 array (exact), contiguous."""
-    if a.dtype == BF16:
-        return _bf16_to_f32(bits(a))
-    return a.astype(cp.float32)
-
-
-def to_float64(a):
-    """float64 copy (exact), contiguous."""
-    if a.dtype == BF16:
-        return _bf16_to_f64(bits(a))
-    return a.astype(cp.float64)
-
-
-def from_float32(a32, dtype):
-    """Round a float32 array to ``dtype`` to nearest even, as the kernels do (contiguous)."""
-    dtype = np.dtype(dtype)
-    if a32.dtype != cp.float32:
-        a32 = a32.astype(cp.float32)
-    if dtype != BF16:
-        return a32.astype(dtype)
-    return _f32_to_bf16(a32).view(BF16)
+def name(dtype):
+    return np.dtype(dtype).name
 
 
 def round_to(a64, dtype):
@@ -134,12 +77,12 @@ def tolerance_array(ref, dtype_name, casting_mode="fp32", ulps=None):
     """
     mag = cp.abs(ref)
     if dtype_name == "float32":
-        return ATOL[dtype_name] + FLOAT32_RTOL * mag
+        return REFERENCE_ATOL[dtype_name] + FLOAT32_RTOL * mag
     if ulps is None and casting_mode == "fp32":
         _, exponent = cp.frexp(ref)          # |ref| = m * 2**exponent, 0.5 <= m < 1
         spacing = cp.exp2(exponent.astype(cp.float64) - 1 - MANTISSA_BITS[dtype_name])
-        return 0.5 * cp.maximum(spacing, MIN_SPACING[dtype_name]) + NOISE_REL * mag + ATOL[dtype_name]
-    return ATOL[dtype_name] + (2 if ulps is None else ulps) * ULP_REL[dtype_name] * mag
+        return 0.5 * cp.maximum(spacing, MIN_SPACING[dtype_name]) + NOISE_REL * mag + REFERENCE_ATOL[dtype_name]
+    return REFERENCE_ATOL[dtype_name] + (2 if ulps is None else ulps) * ULP_REL[dtype_name] * mag
 
 
 def count_bad(got, ref, tol):
@@ -199,7 +142,7 @@ def nan_equal_bits(got, want):
 
 def count_not_poison(a):
     """Elements of ``a`` whose bits are not the poison NaN (any layout), as a 0-d device array."""
-    return cp.count_nonzero(bits(a) != _UINT[a.itemsize](NAN_BITS[name(a.dtype)]))
+    return cp.count_nonzero(bits(a) != UINT[a.itemsize].type(NAN_BITS[name(a.dtype)]))
 
 
 def count_differing_bits(a, b):
@@ -218,5 +161,63 @@ def count_nonfinite(a, chunk_rows=4096):
     total = 0
     for i in range(0, a.shape[0], chunk_rows):
         u = bits(a[i:i + chunk_rows])
-        total += int(cp.count_nonzero((u & _UINT[a.itemsize](exp_mask)) == exp_mask))
+        total += int(cp.count_nonzero((u & UINT[a.itemsize].type(exp_mask)) == exp_mask))
     return total
+
+
+# -- NumPy <-> CuPy, bit for bit ---------------------------------------------------------------
+
+def to_device(a):
+    """A NumPy array on the GPU, bit for bit (bfloat16 through its bits)."""
+    if a.dtype == BFLOAT16:
+        return cp.asarray(a.view(np.uint16)).view(BFLOAT16)
+    return cp.asarray(a)
+
+
+def to_host(a):
+    """A CuPy array on the host, bit for bit (bfloat16 through its bits)."""
+    if a.dtype == BFLOAT16:
+        return cp.asnumpy(a.view(cp.uint16)).view(BFLOAT16)
+    return cp.asnumpy(a)
+
+
+# -- random inputs -------------------------------------------------------------------------------
+
+def normal(rs, shape, scale=1.0):
+    """Fresh float32 normal values (CuPy's generator is not asked for zero elements)."""
+    if math.prod(shape) == 0:
+        return cp.zeros(shape, cp.float32)
+    return rs.standard_normal(shape, dtype=cp.float32) * scale
+
+
+def random_weight(rs, kind, weight_offset, hidden, dtype):
+    """None (kind None), or a weight of x's dtype (kind "same") or float32 around one
+    (around zero with a weight_offset)."""
+    if kind is None:
+        return None
+    w = normal(rs, (hidden,), 0.5) + (0.0 if weight_offset else 1.0)
+    return from_float32(w, dtype if kind == "same" else np.float32)
+
+
+def fill_random(a, rs, scale=2.0, chunk_rows=8192):
+    """Normal values into a (rows, hidden) array, a few rows at a time."""
+    for i in range(0, a.shape[0], chunk_rows):
+        part = a[i:i + chunk_rows]
+        bits(part)[...] = bits(from_float32(normal(rs, part.shape, scale), a.dtype))
+
+
+def poisoned_like(a):
+    """A new array of a's shape and dtype full of the NaN poison."""
+    b = cp.empty(a.shape, a.dtype)
+    poison(b)
+    return b
+
+
+# -- calls ---------------------------------------------------------------------------------------
+
+def call(op, x, res, w, mode="fp32", out=None, res_out=None, eps=EPS, weight_offset=0.0):
+    """One call of ``op``; returns (out, residual_out), residual_out None for rms_norm."""
+    if op == FUSED:
+        return rn.fused_add_rms_norm(x, res, w, eps, out=out, residual_out=res_out,
+                                     weight_offset=weight_offset, casting_mode=mode)
+    return rn.rms_norm(x, w, eps, out=out, weight_offset=weight_offset, casting_mode=mode), None

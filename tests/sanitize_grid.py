@@ -27,16 +27,13 @@ import itertools
 import sys
 
 import cupy as cp
-import ml_dtypes
 import numpy as np
+from gpu_reference import to_device, to_host
+from helpers import DTYPES, HOST_ATOL, HOST_RTOL, MODES, OPS
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _launcher, _plan
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
-OPS = ("rms_norm", "fused_add_rms_norm")
-MODES = ("fp32", "llama")
 WEIGHTS = ((None, 0.0), ("same", 0.0), ("float32", 1.0), ("same", 1.0), ("float32", 0.0))
 HIDDEN = (1, 7, 1000, 4095, 33001)   # warp groups; block per row (both widths); clusters
 LAYOUTS = ("contiguous", "inplace", "offset_inplace", "offset_out", "strided", "heads")
@@ -45,10 +42,6 @@ ROWS = 5                  # 5 rows of 33001: a cluster of 8 blocks per row
 # (rows, hidden) of the split-grid pass: warp groups, blocks, 70 streamed rows (too many
 # rows for clusters), 37 rows in clusters of 2 (streamed for the fused op)
 SPLIT_CASES = ((300, 7), (37, 1000), (70, 33001), (37, 33001))
-# two ulps of the dtype: the kernel and the NumPy reference both compute in float32,
-# summing in different orders, and llama mode rounds twice
-RTOL = {"float32": 1e-5, "float16": 2 * 2.0 ** -10, "bfloat16": 2 * 2.0 ** -7}
-ATOL = {"float32": 1e-6, "float16": 2.0 ** -22, "bfloat16": 1e-6}
 
 SHAPES = {"warp", "block", "stream", "cluster"}
 
@@ -62,19 +55,6 @@ def launch_shapes(plans):
         if plan.cluster > 1:
             seen.add(("cluster", plan.vec))
     return seen
-
-
-def to_device(a):
-    """A host array on the GPU, bit for bit (bfloat16 through its bits)."""
-    if a.dtype == BF16:
-        return cp.asarray(a.view(np.uint16)).view(BF16)
-    return cp.asarray(a)
-
-
-def to_host(a):
-    if a.dtype == BF16:
-        return cp.asnumpy(a.view(cp.uint16)).view(BF16)
-    return cp.asnumpy(a)
 
 
 def make_input(rng, layout, rows, hidden, dtype):
@@ -101,7 +81,7 @@ def check(name, got, want, dtype_name, exact=False):
         uint = f"u{got.itemsize}"
         ok = got.shape == want.shape and np.array_equal(got.view(uint), want.view(uint))
     else:
-        ok = bool(np.all(np.abs(g - w) <= ATOL[dtype_name] + RTOL[dtype_name] * np.abs(w)))
+        ok = bool(np.all(np.abs(g - w) <= HOST_ATOL[dtype_name] + HOST_RTOL[dtype_name] * np.abs(w)))
     if not ok:
         print(f"WRONG {name}: max abs error {np.max(np.abs(g - w)):.3g}", flush=True)
     return ok

@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import child_env
 
 from cupy_rmsnorm.bench import cli, peers, progress, report, shapes, timing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = {"variant": "block", "vec": 8, "threads_per_row": 256, "vecs_per_thread": 2,
         "rows_per_block": 1, "block": 256, "grid": 4096}
 
@@ -27,7 +27,7 @@ def rec(impl, us, mode="graph", op="rms", dtype="bfloat16", tokens=4096, hidden=
 
 
 # -- arguments ----------------------------------------------------------------------------------
-def test_default_arguments_are_the_issue_grid():
+def test_default_arguments_are_the_standard_grid():
     args = cli.parse_args([])
     assert args.ops == ["rms", "fused"]
     assert args.dtypes == ["bfloat16", "float16"]
@@ -268,10 +268,9 @@ def test_no_gpu_is_one_line_and_a_nonzero_exit(monkeypatch, capsys):
     assert "no device (detail)" in out.err
 
 
-def test_no_gpu_from_the_command_line():
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "--quick"], cwd=ROOT, env=env,
+def test_no_gpu_from_the_command_line(tmp_path):
+    env = child_env(CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "--quick"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stdout == ""
@@ -357,7 +356,8 @@ def test_first_call_environment_and_parsing():
 
 
 def test_first_call_script_compiles():
-    compile(timing.FIRST_CALL_SCRIPT, "<first-call>", "exec")
+    from cupy_rmsnorm.bench import first_call
+    assert callable(first_call.main) and first_call.MARK == timing.FIRST_CALL_MARK
 
 
 # -- a whole run, GPU parts faked ------------------------------------------------------------------

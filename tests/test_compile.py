@@ -1,4 +1,4 @@
-"""Every kernel instantiation the launcher can produce compiles with NVRTC, without a GPU.
+"""Kernel instantiations the launcher can produce compile with NVRTC, without a GPU.
 
 CuPy's own compile path asks the device for its architecture; ``compile_offline`` goes
 through CuPy's low-level NVRTC binding with an explicit ``-arch`` and the CUDA headers of
@@ -6,13 +6,19 @@ the ``nvidia-cuda-runtime-cu12`` wheel, so this runs on CPU-only CI (which insta
 ``nvidia-cuda-runtime-cu12`` and ``nvidia-cuda-nvrtc-cu12``). Without CuPy, NVRTC or the
 headers the tests skip and say why.
 
+What is compiled: by default a representative set, for sm_80 and sm_90: every storage
+dtype, op (fused or not), vector width, plan kind (warp group, block, streamed block,
+cluster, streamed cluster) and edges true / false, with each (op, vector width, plan
+kind) compiled with both weight types (x's dtype and float32) - about 440
+instantiations. ``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every distinct instantiation
+the launcher can make instead (about 4,600; several CPU minutes).
+
 Cost: NVRTC takes ~0.1 s per program, then per instantiation ~0.3 s with the library's
 options or ~0.07 s with ``--Ofast-compile=max`` (NVRTC >= 12.8: the same front end,
-template instantiation and ptxas, fewer optimizations), three quarters of it in ptxas;
-there are ~600 instantiations per architecture. So the full set is compiled in fast
-mode, many instantiations to a program, programs in parallel threads (NVRTC releases
-the GIL): ~50 CPU seconds. The heaviest instantiations (most registers per thread) are
-also compiled with exactly the library's own options.
+template instantiation and ptxas, fewer optimizations), three quarters of it in ptxas.
+So the set is compiled in fast mode, many instantiations to a program, programs in
+parallel threads (NVRTC releases the GIL). The heaviest instantiations (most registers
+per thread) are also compiled with exactly the library's own options.
 """
 
 import concurrent.futures
@@ -43,6 +49,8 @@ SMS = 132
 # C++ type -> its Itanium mangling (float is a builtin; the others are class names)
 MANGLED = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}
 KERNEL_NAME = re.compile(rb"_ZN7rmsnorm\d+rms_norm_\w+")
+COMPILE_ALL = os.environ.get("CUPY_RMSNORM_COMPILE_ALL") == "1"
+PLAN_KINDS = ("warp group", "block", "stream", "block cluster", "stream cluster")
 
 
 def _nvrtc_missing():
@@ -78,16 +86,47 @@ def _plans(dtype, fused):
     return plans
 
 
+def plan_kind(plan):
+    """Which code path of the kernels a plan takes (one of PLAN_KINDS)."""
+    shape = "stream" if plan.vecs_per_thread == 0 else "warp group" if plan.threads_per_row <= 32 else "block"
+    return shape + (" cluster" if plan.cluster > 1 else "")
+
+
+def _pairs(dtype, choices):
+    """Sorted distinct (name expression, mangled prefix) of (fused, weight, plan) choices."""
+    return sorted({(instantiation_name(dtype, weight, fused, plan), _mangled_prefix(dtype, weight, fused, plan))
+                   for fused, weight, plan in choices})
+
+
 @functools.cache
-def instantiations(dtype):
+def every_instantiation(dtype):
     """Every distinct (name expression, mangled prefix) for one storage dtype."""
-    exprs = set()
+    return _pairs(dtype, [(fused, weight, plan) for fused in (False, True)
+                          for plan in _plans(dtype, fused).values()
+                          for weight in (None, dtype, "float32")])   # None and x's dtype are the same kernel
+
+
+@functools.cache
+def representative_choices(dtype):
+    """[(fused, weight, plan)]: per op, vector width, plan kind and edges value one plan
+    (the kind's plans taken by turns, so that different group sizes and vectors per
+    thread get compiled), with x's dtype or float32 as the weight, swapped between edges
+    true and false and between the ops."""
+    choices = []
     for fused in (False, True):
-        for plan in _plans(dtype, fused).values():
-            for weight in (None, dtype, "float32"):     # None and x's dtype are the same kernel
-                exprs.add((instantiation_name(dtype, weight, fused, plan),
-                           _mangled_prefix(dtype, weight, fused, plan)))
-    return sorted(exprs)
+        groups = {}
+        for plan in sorted(_plans(dtype, fused).values(), key=lambda p: p.template_args()):
+            groups.setdefault((plan.vec, plan_kind(plan), plan.edges), []).append(plan)
+        for i, key in enumerate(sorted(groups)):
+            edges = key[2]
+            choices.append((fused, "float32" if edges == fused else dtype, groups[key][i % len(groups[key])]))
+    return choices
+
+
+def instantiations(dtype):
+    """What this run compiles for one storage dtype: every instantiation with
+    CUPY_RMSNORM_COMPILE_ALL=1, else the representative set."""
+    return every_instantiation(dtype) if COMPILE_ALL else _pairs(dtype, representative_choices(dtype))
 
 
 def _mangled_prefix(dtype, weight, fused, plan):
@@ -127,16 +166,20 @@ def _compile_batches(batches, fast):
             return dict(pool.map(one, sorted(batches, key=lambda b: -len(b[1]))))
 
 
-BATCH = 70   # instantiations per NVRTC program: few programs, yet even work for the threads
+BATCH = 70   # instantiations per NVRTC program at most: few programs, yet even work for the threads
 
 
 def _chunks(pairs):
-    return [pairs[i:i + BATCH] for i in range(0, len(pairs), BATCH)]
+    """``pairs`` in programs of equal size (one more in the first ones), up to BATCH each."""
+    n = -(-len(pairs) // BATCH)
+    size, extra = divmod(len(pairs), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [pairs[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 @pytest.fixture(scope="module")
-def all_compiled():
-    """Every instantiation, in programs of up to BATCH per (arch, dtype)."""
+def compiled():
+    """This run's instantiations, in programs of up to BATCH per (arch, dtype)."""
     batches = []
     for arch in ARCHS:
         for dtype in CUDA_TYPES:
@@ -157,9 +200,23 @@ def _check_batch(result, pairs):
 
 @pytest.mark.parametrize("dtype", list(CUDA_TYPES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_instantiation_compiles(all_compiled, arch, dtype):
+def test_instantiations_compile(compiled, arch, dtype):
+    """The representative set (every instantiation with CUPY_RMSNORM_COMPILE_ALL=1)."""
     for i, chunk in enumerate(_chunks(instantiations(dtype))):
-        _check_batch(all_compiled[(arch, dtype, i)], chunk)
+        _check_batch(compiled[(arch, dtype, i)], chunk)
+
+
+def test_the_default_set_is_representative():
+    """Every (op, vector width, plan kind, edges) is in it, every (op, vector width, plan
+    kind) with both weight types, and nothing the launcher does not make."""
+    for dtype in CUDA_TYPES:
+        choices = representative_choices(dtype)
+        ops_vecs_kinds = [(f, v, k) for f in (False, True) for v in VECS[dtype] for k in PLAN_KINDS]
+        assert {(f, p.vec, plan_kind(p), p.edges) for f, _, p in choices} == \
+            {key + (e,) for key in ops_vecs_kinds for e in (True, False)}
+        assert {(f, p.vec, plan_kind(p), CUDA_TYPES[w]) for f, w, p in choices} == \
+            {key + (CUDA_TYPES[w],) for key in ops_vecs_kinds for w in (dtype, "float32")}
+        assert set(_pairs(dtype, choices)) <= set(every_instantiation(dtype))
 
 
 def _heaviest_per_variant(dtype):

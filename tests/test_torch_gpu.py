@@ -1,4 +1,4 @@
-"""PyTorch interop on the GPU (issue 3): zero copy, streams, CUDA graphs, numerics, modules.
+"""PyTorch interop on the GPU: zero copy, streams, CUDA graphs, numerics, modules.
 
 Every test here needs a CUDA GPU (torch tests also need torch) and skips with the reason
 otherwise; torch is imported only where it is usable, so CI without torch collects this
@@ -6,7 +6,6 @@ file and skips it.
 """
 
 import copy
-import os
 import subprocess
 import sys
 import warnings
@@ -16,7 +15,8 @@ import numpy as np
 import pytest
 
 import cupy_rmsnorm as rn
-from helpers import requires_gpu, requires_torch_gpu, torch_cuda_missing
+from helpers import (DTYPE_NAMES, TOL, child_env, requires_gpu, requires_torch_gpu, requires_two_torch_gpus,
+                     torch_cuda_missing)
 
 if torch_cuda_missing() is None:
     import torch
@@ -25,27 +25,12 @@ if torch_cuda_missing() is None:
 
     import cupy_rmsnorm.torch as rnt
 
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-# (rtol, atol): about two units in the last place of each dtype for values of order one.
-TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 # Share of elements that must be bit-identical to an eager reference of the same formula
 # (16-bit dtypes; at least two may differ): only the order of the float32 sum differs,
 # which flips a 16-bit rounding very rarely.
 MIN_EXACT = 0.99
 SHAPES = [(1, 4096), (33, 1000), (4, 3, 256), (2, 16384), (5, 7), (3, 40000)]
 SLEEP_CYCLES = 200_000_000   # about 0.1 s of torch.cuda._sleep on an H200
-
-
-def _second_gpu_missing():
-    reason = torch_cuda_missing()
-    if reason:
-        return reason
-    n = torch.cuda.device_count()
-    return None if n >= 2 else f"needs a second GPU, torch sees {n}"
-
-
-requires_two_torch_gpus = pytest.mark.skipif(_second_gpu_missing() is not None,
-                                             reason=f"non-default device test: {_second_gpu_missing()}")
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -525,17 +510,17 @@ def test_tensors_on_the_second_gpu_run_there():
 
 # -- torch is imported only when needed ----------------------------------------------------
 
-def test_importing_the_library_does_not_import_torch():
+def test_importing_the_library_does_not_import_torch(tmp_path):
     try:
         import torch  # noqa: F401
     except ImportError:
         pytest.skip("torch is not installed: nothing could import it")
     code = ("import sys, numpy as np, cupy_rmsnorm as rn\n"
+            f"assert rn.__file__ == {rn.__file__!r}, 'the child imported another cupy_rmsnorm: ' + rn.__file__\n"
             "rn.rms_norm(np.ones((2, 8), np.float32), np.ones(8, np.float32))\n"
             "assert 'torch' not in sys.modules, 'cupy_rmsnorm imported torch'\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=tmp_path,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 

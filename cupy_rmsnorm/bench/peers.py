@@ -11,6 +11,12 @@ import functools
 import importlib
 import importlib.util
 
+import numpy as np
+
+# bfloat16 goes through its bits, so the inputs and the reference lean on no CuPy
+# bfloat16 arithmetic; only the "cupy" peer does.
+from .arrays import from_float32, poison, to_cupy, to_float32, to_torch
+
 EPS = 1e-6
 
 IMPLS = ("ours", "ours_torch", "cupy", "torch_eager", "F.rms_norm", "torch_compile", "liger")
@@ -105,73 +111,6 @@ def versions():
     return out
 
 
-# -- dtypes and zero-copy views ------------------------------------------------------------------
-def cupy_dtype(name):
-    import numpy as np
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-# bfloat16 <-> float32 through the bits (a bfloat16 is the top half of a float32), so the
-# inputs and the reference lean on no CuPy bfloat16 arithmetic; only the "cupy" peer does.
-@functools.lru_cache(maxsize=None)
-def _bf16_kernels():
-    import cupy
-    to_f32 = cupy.ElementwiseKernel(
-        "uint16 u", "float32 f", "f = __uint_as_float(((unsigned int)u) << 16)", "bench_bf16_to_f32")
-    from_f32 = cupy.ElementwiseKernel(     # round to nearest even, NaN stays NaN
-        "float32 f", "uint16 u",
-        """unsigned int b = __float_as_uint(f);
-        u = (b & 0x7fffffffu) > 0x7f800000u ? (unsigned short)0x7fc0
-            : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);""",
-        "bench_f32_to_bf16")
-    return to_f32, from_f32
-
-
-def to_float32(a):
-    """A float32 copy of a float32 / float16 / bfloat16 CuPy array (exact)."""
-    import cupy
-    if a.dtype.name == "bfloat16":
-        return _bf16_kernels()[0](a.view(cupy.uint16))
-    return a.astype(cupy.float32)
-
-
-def from_float32(a32, dtype_name):
-    """``a32`` rounded to ``dtype_name`` (round to nearest even)."""
-    if dtype_name == "bfloat16":
-        return _bf16_kernels()[1](a32).view(cupy_dtype("bfloat16"))
-    return a32.astype(cupy_dtype(dtype_name))
-
-
-def poison(a):
-    """All-ones bits: a NaN in float32, float16 and bfloat16 alike."""
-    import cupy
-    a.view({2: cupy.uint16, 4: cupy.uint32}[a.itemsize]).fill(0xFFFF if a.itemsize == 2 else 0xFFFFFFFF)
-
-
-def to_torch(a):
-    """A torch view of a CuPy array (16-bit types travel as int16, then are viewed back:
-    that works whatever DLPack bfloat16 support either side has)."""
-    import cupy
-    import torch
-    if a.dtype.itemsize == 2:
-        torch_dtype = torch.bfloat16 if a.dtype.name == "bfloat16" else torch.float16
-        return torch.from_dlpack(a.view(cupy.int16)).view(torch_dtype)
-    return torch.from_dlpack(a)
-
-
-def to_cupy(t, dtype_name):
-    """A CuPy view of a torch tensor (same int16 route for 16-bit types)."""
-    import cupy
-    import torch
-    t = t.contiguous()
-    if t.element_size() == 2:
-        return cupy.from_dlpack(t.view(torch.int16)).view(cupy_dtype(dtype_name))
-    return cupy.from_dlpack(t)
-
-
 # -- the inputs of one measurement -------------------------------------------------------------
 class Case:
     """Random inputs of one (op, dtype, tokens, hidden) on the current GPU, shared by
@@ -180,7 +119,7 @@ class Case:
     def __init__(self, op, dtype, tokens, hidden, seed=0):
         import cupy
         self.op, self.dtype, self.tokens, self.hidden = op, dtype, tokens, hidden
-        dt = cupy_dtype(dtype)
+        dt = np.dtype(dtype)
         rng = cupy.random.default_rng(seed)
         shape = (tokens, hidden)
 
@@ -222,7 +161,7 @@ class Case:
         import cupy
         y = result[0] if isinstance(result, tuple) else result
         if not isinstance(y, cupy.ndarray):
-            y = to_cupy(y, self.dtype)
+            y = to_cupy(y)
         return float(cupy.max(cupy.abs(to_float32(y) - self.reference())))
 
     def poison_outputs(self):

@@ -1,4 +1,5 @@
-"""The report: result records, console tables, CSV / JSON / Markdown files and charts.
+"""The report: result records, console tables, CSV / JSON / Markdown files and charts,
+and the files of a run (``write_run``).
 
 Everything here works on plain records (dicts), so it runs and is tested without a GPU,
 and ``--replot`` can redraw a saved run.
@@ -9,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 
 from .peers import IMPLS, OURS, PEERS
 from .shapes import MODE_TITLES, MODES, OP_TITLES, OPS
@@ -296,3 +298,37 @@ def write_charts(out_dir, stem, records, copy_gbps, modes=CHART_MODES):
             fig.savefig(path, dpi=110)
             paths.append(path)
     return paths
+
+
+# -- a run's report ------------------------------------------------------------------------------
+def format_report(payload):
+    """The printed report of a run's payload (header, first calls, tables, errors)."""
+    parts = [format_header(payload.get("meta", {})),
+             format_first_call(payload.get("first_call")),
+             format_tables(payload.get("results", []))]
+    errors = [e for e in payload.get("errors", []) if not e.get("skipped")]
+    if errors:
+        parts.append("errors:\n" + "\n".join(f"  {e['where']}: {e['error']}" for e in errors))
+    return "\n\n".join(p for p in parts if p)
+
+
+def write_run(out_dir, name, payload, charts=True):
+    """CSV, JSON, Markdown and (``charts``, with matplotlib) PNG files of a run's payload,
+    as ``out_dir/name*``; the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, name)
+    records = payload["results"]
+    write_csv(stem + ".csv", records)
+    write_json(stem + ".json", payload)
+    written = [stem + ".csv", stem + ".json"]
+    md = format_markdown(records)
+    if md:
+        with open(stem + ".md", "w", encoding="utf-8") as f:
+            f.write(md)
+        written.append(stem + ".md")
+    if charts:
+        pngs = write_charts(out_dir, name, records, payload["meta"].get("copy_GBps"))
+        if not pngs and records:
+            print("note: matplotlib is not installed: no chart", file=sys.stderr)
+        written += pngs
+    return written

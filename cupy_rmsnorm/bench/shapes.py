@@ -17,7 +17,7 @@ MODE_TITLES = {"graph": "graph: GPU time per call (calls captured in one CUDA gr
                "cold": "cold: one call after a 512 MiB write flushed L2 (events around the call)",
                "hot": "hot: back-to-back calls from Python (host overhead shows here)"}
 
-# The default grid (issue 4): a token sweep at the two common hidden sizes, the
+# The default grid: a token sweep at the two common hidden sizes, the
 # smaller and odd hidden sizes at 4096 tokens, and two model widths at 256 tokens.
 DEFAULT_SHAPES = tuple(sorted(
     {(t, h) for h in (4096, 8192) for t in (1, 32, 256, 1024, 4096, 16384)}

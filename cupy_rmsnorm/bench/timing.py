@@ -1,7 +1,9 @@
-"""Timing primitives: streams, CUDA graphs, the three modes, copy bandwidth, first-call latency.
+"""Timing primitives: streams, CUDA graphs, the three modes, copy bandwidth, first-call
+latency, and the two timing loops the scripts share (``graph_us``, ``host_times``).
 
-Every time here comes from CUDA events recorded on the stream the work runs on (a wall
-clock around an asynchronous launch measures nothing). Two runners own a stream each:
+Every GPU time here comes from CUDA events recorded on the stream the work runs on (a
+wall clock around an asynchronous launch measures nothing); ``host_times`` is the one
+wall clock, for what calls cost the host. Two runners own a stream each:
 
 - ``CupyRunner`` for callables on CuPy arrays: a non-blocking CuPy stream, graphs from
   CuPy's stream capture.
@@ -18,8 +20,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from .. import _driver
+from .first_call import MARK as FIRST_CALL_MARK
 
 GRAPH_TARGET_US = 5000.0   # aim for ~5 ms per replay: long against launch jitter, short overall
 COPY_BYTES = 1 << 30       # per buffer of the bandwidth copy: far past L2, so it measures HBM
@@ -279,6 +283,40 @@ def measure(timer, repeats):
     return median(timer.samples)
 
 
+def graph_us(fn, calls, repeats, runner=None):
+    """GPU microseconds per call of ``fn`` (CuPy arrays): ``calls`` calls captured in one
+    CUDA graph after a warm-up call, the median of ``repeats`` replays."""
+    runner = runner or CupyRunner()
+    warm_up(runner, fn, calls=1)
+    timer = GraphTimer(runner, fn, calls)
+    try:
+        return measure(timer, repeats)
+    finally:
+        timer.close()
+
+
+def host_times(fn, sync, calls, repeats, warmup):
+    """The host cost of back-to-back calls, per call in microseconds: after ``warmup``
+    calls, ``repeats`` times ``calls`` calls with a perf_counter around the loop ("host":
+    issuing them) and to the end of the final ``sync()`` ("total": when the GPU is the
+    slower side, its rate). Medians, and every repeat."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    host, total = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        total.append((t2 - t0) / calls * 1e6)
+    return {"host_us": statistics.median(host), "total_us": statistics.median(total),
+            "host_us_repeats": host, "total_us_repeats": total}
+
+
 # -- the ceiling ---------------------------------------------------------------------------
 def copy_bandwidth_gbps(nbytes=COPY_BYTES, repeats=10):
     """The device's copy bandwidth: the faster of a device-to-device cudaMemcpyAsync and a
@@ -316,30 +354,7 @@ def copy_bandwidth_gbps(nbytes=COPY_BYTES, repeats=10):
 
 
 # -- first call in a fresh process ------------------------------------------------------------
-FIRST_CALL_MARK = "FIRST_CALL_SECONDS"
-
-# Inputs are uploaded from the host (no CuPy kernel compiles before the clock starts);
-# the clock covers the first call (kernel source, NVRTC compile or disk-cache load,
-# module load, launch) up to a device synchronize, then the same for a second call.
-FIRST_CALL_SCRIPT = r"""
-import sys, time
-import numpy as np, ml_dtypes, cupy
-import cupy_rmsnorm as rn
-op, dtype, tokens, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-rng = np.random.default_rng(0)
-host = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(dt)
-x, r, w = cupy.asarray(host(tokens, hidden)), cupy.asarray(host(tokens, hidden)), cupy.asarray(host(hidden))
-call = (lambda: rn.rms_norm(x, w)) if op == "rms" else (lambda: rn.fused_add_rms_norm(x, r, w))
-times = []
-for _ in range(2):
-    cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    call()
-    cupy.cuda.Device().synchronize()
-    times.append(time.perf_counter() - t0)
-print("FIRST_CALL_SECONDS", times[0], times[1])
-"""
+FIRST_CALL_MODULE = "cupy_rmsnorm.bench.first_call"
 
 
 def first_call_env(cache_dir, package_root, base_env=None):
@@ -353,7 +368,7 @@ def first_call_env(cache_dir, package_root, base_env=None):
 
 
 def parse_first_call_output(stdout):
-    """(first, second) seconds from the script's output, or None."""
+    """(first, second) seconds from first_call's output, or None."""
     for line in stdout.splitlines():
         if line.startswith(FIRST_CALL_MARK):
             parts = line.split()
@@ -364,7 +379,7 @@ def parse_first_call_output(stdout):
 def _first_call_once(cache_dir, op, dtype, tokens, hidden, timeout):
     import cupy_rmsnorm
     root = os.path.dirname(os.path.dirname(os.path.abspath(cupy_rmsnorm.__file__)))
-    proc = subprocess.run([sys.executable, "-c", FIRST_CALL_SCRIPT, op, dtype, str(tokens), str(hidden)],
+    proc = subprocess.run([sys.executable, "-m", FIRST_CALL_MODULE, op, dtype, str(tokens), str(hidden)],
                           env=first_call_env(cache_dir, root), capture_output=True, text=True,
                           timeout=timeout)
     parsed = parse_first_call_output(proc.stdout)
