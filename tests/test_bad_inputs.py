@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import DTYPES, requires_gpu, requires_torch_gpu
+from helpers import DTYPES, child_env, requires_gpu, requires_torch_gpu
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _driver, _interop, _validate
@@ -137,12 +137,13 @@ def test_cupy_missing_is_reported_with_the_package(monkeypatch):
     assert "pip install 'cupy-rmsnorm[cuda12]'" in _driver.gpu_missing()
 
 
-def test_import_needs_neither_cupy_nor_torch():
+def test_import_needs_neither_cupy_nor_torch(tmp_path):
     """`import cupy_rmsnorm` and the NumPy path run where neither is installed."""
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None\n"
             "import numpy as np, cupy_rmsnorm as rn\n"
             "print(rn.rms_norm(np.ones((1, 4), np.float32))[0, 0])")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=child_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert abs(float(done.stdout) - 1.0) < 1e-5
 
