@@ -181,10 +181,10 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
     resolved = arrays
     if kind is TorchKind:
         register_torch_ops()
-        _check_torch(arrays, Arrays._fields, OUTPUTS)
         if _needs_autograd(arrays):     # autograd records the registered op, which runs this path
             return sys.modules["cupy_rmsnorm._torch_ops"].call(fused, arrays, eps, weight_offset, casting_mode,
                                                                differentiable=True)
+        _check_torch(arrays, Arrays._fields, OUTPUTS)
         resolved = Arrays(*(None if a is None else kind.resolve(a, name) for name, a in zip(Arrays._fields, arrays)))
     metas = Arrays(*(None if a is None else kind.meta(a) for a in resolved))
     _validate.check_arrays(metas)
