@@ -351,7 +351,8 @@ class BackwardLauncher:
         params["eps"], params["weight_offset"] = scalars.eps, scalars.weight_offset
         params["flags"] = (LLAMA if scalars.llama else 0) | (ADD_GRAD if strides.d_residual_out is not None else 0)
         self.params = params
-        self._empty_dx = kind.empty_getter(layout.dx_strides, layout.n_inner, layout.hidden)
+        # a fresh contiguous dx (x's row strides decide whether torch's empty_like gives one)
+        self._empty_dx = kind.empty_getter(strides.x, layout.n_inner, layout.hidden)
         self._by_vec = {}
         self._reduce = None
         self._lock = threading.Lock()
