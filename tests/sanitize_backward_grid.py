@@ -7,8 +7,10 @@ block per row with the row in registers, a streamed block per row) and the dweig
 reduction, every dtype, both backward ops (the fused one with and without a residual_out
 gradient), both casting modes, weights of x's dtype / float32 / none (offsets 0 and 1),
 rows at odd element offsets, strided rows (each row at another alignment), a (tokens,
-heads, head_dim) view, and dy off x's alignment (the scalar path). Each block loops over
-several rows (rows_per_block > 1), so the per-row barriers matter to racecheck.
+heads, head_dim) view, and dy off x's alignment (the scalar path). The plans are made for
+a device of SANITIZE_SMS multiprocessors, so that with few rows every row group still loops
+over several rows (the per-row barriers and the dweight sums carried from row to row are
+what racecheck and initcheck must see).
 
 As in sanitize_grid.py every array is its own cudaMalloc and every view ends where its
 allocation ends; the library's outputs and workspace are never initialized, so initcheck
@@ -26,13 +28,14 @@ import numpy as np
 from sanitize_grid import DTYPES, MODES, WEIGHTS, make_input, to_device, to_host
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _launcher, _plan
+from cupy_rmsnorm import _driver, _launcher, _plan
 
 OPS = ("rms_norm", "fused", "fused_dres")
 HIDDEN = (7, 255, 1000, 4095, 33001)     # warp groups; blocks (both widths); streamed
 LAYOUTS = ("contiguous", "offset_out", "strided", "heads", "mixed")
-QUICK_LAYOUTS = ("contiguous", "strided", "mixed")
-ROWS = 300                               # several rows per block (132 SMs)
+QUICK_LAYOUTS = ("strided", "mixed")
+SANITIZE_SMS = 4                         # plans as for 4 SMs: a few blocks, each looping over rows
+ROWS_SHORT, ROWS_LONG = 600, 64          # hidden <= 255 (32 groups of a block need 2+ rows each); longer
 SHAPES = {"warp", "block", "stream"}
 # float32 arithmetic in another order than NumPy's; dx is a difference (cancellation): a
 # tolerance relative to the magnitudes that meet in it
@@ -98,13 +101,22 @@ def main():
     rng = np.random.default_rng(0)
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
     plans, calls, wrong = [], 0, 0
-    with _launcher.forced_backward_plan(record=plans):     # no override: the heuristic's plans
-        for i, (dtype_name, op, hidden, layout) in enumerate(itertools.product(DTYPES, OPS, HIDDEN, layouts)):
-            wkind, woff = WEIGHTS[i % len(WEIGHTS)]
-            rows = ROWS if hidden < 33001 else 40
-            calls += 1
-            wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
+    device = _driver.device(cp.cuda.Device().id)
+    sm_count, device.sm_count = device.sm_count, SANITIZE_SMS
+    try:
+        with _launcher.forced_backward_plan(record=plans):     # no override: the heuristic's plans
+            for i, (dtype_name, op, hidden, layout) in enumerate(itertools.product(DTYPES, OPS, HIDDEN, layouts)):
+                wkind, woff = WEIGHTS[i % len(WEIGHTS)]
+                rows = ROWS_SHORT if hidden <= 255 else ROWS_LONG
+                calls += 1
+                wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
+    finally:
+        device.sm_count = sm_count
     cp.cuda.Device().synchronize()
+    looping = [p for p in plans if p.rows_per_block > p.groups_per_block]
+    if not looping:
+        print("sanitize_backward_grid: no block looped over rows", flush=True)
+        return 4
     seen = launch_shapes(plans)
     shapes = sorted({s for s, _ in seen})
     print(f"sanitize_backward_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
