@@ -69,7 +69,7 @@ def _hf_norms(torch):
 
 
 def _torch_inputs(torch, dtype_name, hidden, seed, rows=33):
-    g = torch.Generator(device="cuda").manualseed(seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     tdt = getattr(torch, dtype_name)
     xt = (torch.randn(rows, hidden, device="cuda", generator=g) * 3).to(tdt)
     rt = (torch.randn(rows, hidden, device="cuda", generator=g) * 3).to(tdt)
