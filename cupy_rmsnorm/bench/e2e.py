@@ -646,7 +646,7 @@ def run(args):
     def elapsed():
         return time.perf_counter() - started
 
-    from .cli import git_info, nvidia_driver_version
+    from .metadata import git_info, nvidia_driver_version
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     commit, dirty = git_info(root)
     cuda = args.device == "cuda"
