@@ -33,14 +33,8 @@ def _elem_strides(strides_bytes, itemsize):
     return tuple(s // itemsize for s in strides_bytes)
 
 
-class NumpyKind:
-    """NumPy arrays: the reference runs on the CPU."""
-    name = "numpy"
-
-    @staticmethod
-    def meta(a):
-        return Meta(a.__array_interface__["data"][0], a.shape, _elem_strides(a.strides, a.itemsize),
-                    _dtype_name(a.dtype), a.itemsize, -1, bool(a.flags.writeable))
+class _PlainKind:
+    """Arrays with no autograd and no lazy bits (NumPy, CuPy)."""
 
     @staticmethod
     def resolve(a, arg):
@@ -54,12 +48,22 @@ class NumpyKind:
     def is_inference(a):
         return False
 
+
+class NumpyKind(_PlainKind):
+    """NumPy arrays: the reference runs on the CPU."""
+    name = "numpy"
+
+    @staticmethod
+    def meta(a):
+        return Meta(a.__array_interface__["data"][0], a.shape, _elem_strides(a.strides, a.itemsize),
+                    _dtype_name(a.dtype), a.itemsize, -1, bool(a.flags.writeable))
+
     @staticmethod
     def contiguous(a):
         return np.ascontiguousarray(a)
 
 
-class CupyKind:
+class CupyKind(_PlainKind):
     """CuPy arrays: launched on CuPy's current stream. The Launcher has made the arrays'
     device current before empty() and stream() are called."""
     name = "cupy"
@@ -72,10 +76,6 @@ class CupyKind:
                     bool(getattr(a.flags, "writeable", True)))
 
     @staticmethod
-    def resolve(a, arg):
-        return a
-
-    @staticmethod
     def ptr(a):
         return a.data.ptr
 
@@ -84,14 +84,6 @@ class CupyKind:
         """A function making a fresh contiguous output like x (on the current device)."""
         cupy = _cupy()
         return lambda like: cupy.empty(like.shape, dtype=like.dtype)
-
-    @staticmethod
-    def requires_grad(a):
-        return False
-
-    @staticmethod
-    def is_inference(a):
-        return False
 
     @staticmethod
     def grad_enabled():

@@ -56,16 +56,6 @@ def _peers(text):
     return _list(str, SELECTABLE, "peer")(text)
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser():
     impls = "\n".join(f"  {name:14s} {text}" for name, text in DESCRIPTIONS.items())
     p = argparse.ArgumentParser(
@@ -95,7 +85,7 @@ def build_parser():
                         "shape (slower to warm up)")
     p.add_argument("--out", default="bench_results", help="output folder (default: ./bench_results)")
     p.add_argument("--name", default="rmsnorm_bench", help="file name stem of the outputs")
-    p.add_argument("--repeats", type=_positive_int, default=None,
+    p.add_argument("--repeats", type=shapes.positive_int, default=None,
                    help="timing rounds per measurement, every mode (default: graph 10, cold 30, hot 5)")
     p.add_argument("--quick", action="store_true",
                    help="a short run: a few shapes, bf16, fewer repeats")

@@ -65,16 +65,6 @@ class Skipped(Exception):
 
 
 # -- arguments ------------------------------------------------------------------------------------
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _choices(allowed, what):
     """An argparse type: a comma-separated list of ``allowed`` names, in the given order."""
     def convert(text):
@@ -103,25 +93,25 @@ def build_parser():
                     "generating greedily, with HF's, our and Liger's RMSNorm.",
         epilog="variants:\n" + "\n".join(f"  {k:11s} {v}" for k, v in VARIANT_TITLES.items())
                + "\n\nmodes:\n" + "\n".join(f"  {k:11s} {v}" for k, v in MODE_TITLES.items()))
-    p.add_argument("--layers", type=_positive_int, default=8, help="decoder layers (default: 8)")
-    p.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size (default: 4096)")
-    p.add_argument("--intermediate", type=_positive_int, default=14336,
+    p.add_argument("--layers", type=shapes.positive_int, default=8, help="decoder layers (default: 8)")
+    p.add_argument("--hidden", type=shapes.positive_int, default=4096, help="hidden size (default: 4096)")
+    p.add_argument("--intermediate", type=shapes.positive_int, default=14336,
                    help="MLP intermediate size (default: 14336)")
-    p.add_argument("--heads", type=_positive_int, default=32, help="attention heads (default: 32)")
-    p.add_argument("--kv-heads", type=_positive_int, default=8, help="key/value heads (default: 8)")
-    p.add_argument("--vocab", type=_positive_int, default=32000, help="vocabulary size (default: 32000)")
+    p.add_argument("--heads", type=shapes.positive_int, default=32, help="attention heads (default: 32)")
+    p.add_argument("--kv-heads", type=shapes.positive_int, default=8, help="key/value heads (default: 8)")
+    p.add_argument("--vocab", type=shapes.positive_int, default=32000, help="vocabulary size (default: 32000)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16, fp16 or fp32 (default: bf16)")
-    p.add_argument("--batch", type=_positive_int, default=1, help="prompts per generate call (default: 1)")
-    p.add_argument("--prompt", type=_positive_int, default=128, help="prompt tokens (default: 128)")
-    p.add_argument("--new-tokens", type=_positive_int, default=64,
+    p.add_argument("--batch", type=shapes.positive_int, default=1, help="prompts per generate call (default: 1)")
+    p.add_argument("--prompt", type=shapes.positive_int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--new-tokens", type=shapes.positive_int, default=64,
                    help="tokens generated per timed call, at least 2 (default: 64)")
-    p.add_argument("--repeats", type=_positive_int, default=5,
+    p.add_argument("--repeats", type=shapes.positive_int, default=5,
                    help="interleaved rounds over the variants, per mode (default: 5)")
     p.add_argument("--variants", type=_choices(VARIANTS, "variant"), default=list(VARIANTS),
                    help=f"a list of {', '.join(VARIANTS)} (default: all; hf always runs, as the reference)")
     p.add_argument("--modes", type=_choices(MODES, "mode"), default=list(MODES),
                    help="eager, compiled (default: both)")
-    p.add_argument("--agree-tokens", type=_positive_int, default=128,
+    p.add_argument("--agree-tokens", type=shapes.positive_int, default=128,
                    help="tokens of the teacher-forced forward that checks the logits (default: 128)")
     p.add_argument("--no-fullgraph", action="store_true",
                    help="compile with graph breaks allowed (default: fullgraph=True, a break is an error)")

@@ -3,6 +3,8 @@
 Pure Python (no GPU, no CuPy), so the command line and the report can be tested on a CPU.
 """
 
+import argparse
+
 OPS = ("rms", "fused")
 OP_TITLES = {"rms": "rms_norm", "fused": "fused_add_rms_norm"}
 
@@ -83,3 +85,14 @@ def plan_for(op, tokens, hidden, itemsize, sm_count, max_cluster=1):
     vec = 16 // itemsize
     return rn.launch_plan(tokens, hidden, itemsize, vec, sm_count, op == "fused",
                           edges=hidden % vec != 0, max_cluster=max_cluster)
+
+
+def positive_int(text):
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
