@@ -9,8 +9,9 @@ import sys
 
 from . import _interop, _launcher, _validate
 from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
-from ._layout import OUT, OUTPUTS, RESIDUAL_OUT, Arrays, call_layout
-from ._reference import fused_add_rms_norm_reference, rms_norm_reference
+from ._layout import OUT, OUTPUTS, RESIDUAL_OUT, Arrays, BackwardArrays, backward_layout, call_layout
+from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_reference,
+                         rms_norm_backward_reference, rms_norm_reference)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, out=None, weight_offset=0.0, casting_mode="fp32"):
@@ -58,6 +59,89 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, out=None, residual
     return _call(True, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
 
 
+def rms_norm_backward(dy, x, weight=None, eps=1e-6, *, weight_offset=0.0, casting_mode="fp32"):
+    """Gradients of ``rms_norm(x, weight, eps, ...)`` given ``dy``, the gradient of its output.
+
+    Per row, in float32: ``r = rsqrt(mean(x**2) + eps)``, ``xhat = x * r``,
+    ``g = dy * (weight + weight_offset)`` (``dy`` without a weight),
+    ``dx = r * (g - xhat * mean(g * xhat))``; ``dweight = sum over rows of dy * xhat``
+    (``"llama"``: xhat rounded to x's dtype first, as the forward multiplied it), added
+    in float32 in a fixed order (the same bits every run) and returned in the weight's
+    dtype. inv_rms is recomputed from x: the forward saves nothing.
+
+    Args:
+        dy: the gradient of the output: x's shape and dtype.
+        x, weight, eps, weight_offset, casting_mode: the forward's arguments.
+
+    Returns:
+        ``(dx, dweight)``: new arrays of x's kind (dx: x's shape and dtype, contiguous;
+        dweight: the weight's shape and dtype), dweight None when weight is None. Not
+        differentiable itself (no double backward).
+    """
+    return _backward_call(False, BackwardArrays(dy, x, None, weight), eps, weight_offset, casting_mode)
+
+
+def fused_add_rms_norm_backward(dy, d_residual_out, residual_out, weight=None, eps=1e-6, *,
+                                weight_offset=0.0, casting_mode="fp32"):
+    """Gradients of ``fused_add_rms_norm(x, residual, weight, eps, ...)``.
+
+    ``residual_out`` is the forward's ``s = round(x + residual)``; the gradient reaching s
+    is ``rms_norm_backward``'s dx at s plus ``d_residual_out`` (the gradient of the
+    forward's residual_out; None for zero), added in float32 and rounded once, and it
+    flows unchanged to both x and residual.
+
+    Returns:
+        ``(d_input, dweight)``: d_input (residual_out's shape and dtype) is the gradient of
+        both x and residual; dweight as in ``rms_norm_backward``.
+    """
+    return _backward_call(True, BackwardArrays(dy, residual_out, d_residual_out, weight), eps, weight_offset,
+                          casting_mode)
+
+
+# the argument names of each backward's BackwardArrays, for messages
+_BACKWARD_NAMES = {False: ("dy", "x", "d_residual_out", "weight"),
+                   True: ("dy", "residual_out", "d_residual_out", "weight")}
+
+
+def _backward_call(fused, arrays, eps, weight_offset, casting_mode, weight_grad=True):
+    """Validate everything (every call), then run on the caller's arrays' kind.
+    ``weight_grad``: False skips dweight (autograd, when the weight needs no gradient)."""
+    names = _BACKWARD_NAMES[fused]
+    if arrays.dy is None:
+        raise TypeError(f"dy must be an array of {names[1]}'s shape and dtype, got None")
+    scalars = _validate.check_scalars(eps, weight_offset, casting_mode, arrays.weight is not None)
+    kind = _interop.kind_of(arrays.x, names[1])
+    for name, a in zip(names, arrays):
+        if a is not None and _interop.kind_of(a, name) is not kind:
+            raise TypeError(f"{name} must be the same kind of array as {names[1]} ({kind.name}), "
+                            f"got {type(a).__module__}.{type(a).__name__}")
+    if kind is not NumpyKind:
+        _interop.require_cupy()
+    if kind is DlpackKind:
+        arrays = BackwardArrays(*(None if a is None else kind.to_cupy(a, n) for n, a in zip(names, arrays)))
+        kind = CupyKind
+    if kind is TorchKind:
+        register_torch_ops()
+        _check_torch(arrays, names)
+        arrays = BackwardArrays(*(None if a is None else kind.resolve(a, n) for n, a in zip(names, arrays)))
+    metas = BackwardArrays(*(None if a is None else kind.meta(a) for a in arrays))
+    _validate.check_backward_arrays(metas, names)
+    arrays, layout = backward_layout(kind, arrays, metas)
+    if kind is NumpyKind:
+        return _run_numpy_backward(fused, arrays, scalars, weight_grad)
+    return _launcher.backward_launcher(layout, scalars, kind)(arrays, weight_grad)
+
+
+def _run_numpy_backward(fused, arrays, scalars, weight_grad):
+    dy, x, d_residual_out, weight = arrays
+    args = (scalars.eps, scalars.weight_offset, scalars.casting_mode)
+    if fused:
+        dx, dweight = fused_add_rms_norm_backward_reference(dy, d_residual_out, x, weight, *args)
+    else:
+        dx, dweight = rms_norm_backward_reference(dy, x, weight, *args)
+    return dx, (dweight if weight_grad else None)
+
+
 # torch.compiler.is_dynamo_compiling once the torch ops are registered (register_torch_ops):
 # while dynamo traces, a call becomes the registered op instead of this module's Python.
 _compiling = None
@@ -97,7 +181,10 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
     resolved = arrays
     if kind is TorchKind:
         register_torch_ops()
-        _check_torch(arrays)
+        if _needs_autograd(arrays):     # autograd records the registered op, which runs this path
+            return sys.modules["cupy_rmsnorm._torch_ops"].call(fused, arrays, eps, weight_offset, casting_mode,
+                                                               differentiable=True)
+        _check_torch(arrays, Arrays._fields, OUTPUTS)
         resolved = Arrays(*(None if a is None else kind.resolve(a, name) for name, a in zip(Arrays._fields, arrays)))
     metas = Arrays(*(None if a is None else kind.meta(a) for a in resolved))
     _validate.check_arrays(metas)
@@ -111,22 +198,25 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
     return launcher(arrays, checked=True)
 
 
-def _check_torch(arrays):
+def _check_torch(arrays, names, outputs=()):
+    """Torch tensors must be on a CUDA device; outputs must be plain memory."""
     import torch
-    for k, (name, t) in enumerate(zip(Arrays._fields, arrays)):
+    for k, (name, t) in enumerate(zip(names, arrays)):
         if t is None:
             continue
         if t.device.type != "cuda":
             raise ValueError(f"{name} is a torch tensor on {t.device}; pass CUDA tensors "
                              f"(tensor.cuda()) or NumPy arrays (tensor.numpy()) for the CPU path")
-        if k in OUTPUTS and t.layout == torch.strided and (t.is_neg() or t.is_conj()):
+        if k in outputs and t.layout == torch.strided and (t.is_neg() or t.is_conj()):
             raise ValueError(f"{name} has torch's lazy negation (or conjugation) bit set, so its memory "
                              f"holds the values without the sign; pass a plain tensor "
                              f"({name}.resolve_neg() makes one)")
-        if t.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError(f"{name} requires grad, and cupy_rmsnorm is forward-only (no backward "
-                               f"yet): call it under torch.no_grad() / torch.inference_mode(), pass "
-                               f"{name}.detach(), or for a model's weights call model.requires_grad_(False)")
+
+
+def _needs_autograd(arrays):
+    """Whether autograd must see this torch call: grad mode is on and a tensor requires grad."""
+    import torch
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arrays)
 
 
 def register_torch_ops():

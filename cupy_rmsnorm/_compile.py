@@ -1,11 +1,13 @@
 """Compiling the CUDA templates: the source, NVRTC's options, and the per-device cache
 of compiled kernels.
 
-Two templates in ``kernels/rms_norm.cu`` (a block or a group per row, and a cluster per
-row); each (storage type, weight type, fused, vector width, threads per row, vectors per
-thread, edges, cluster size) is an instantiation, compiled the first time a call needs
-it on a device (CuPy's disk cache keeps the binary across processes) and kept in
-``kernel_cache`` as a launchable function.
+Two programs: ``"forward"`` is ``kernels/rms_norm.cu`` (two templates: a block or a group
+per row, and a cluster per row); ``"backward"`` is that file followed by
+``kernels/rms_norm_backward.cu`` (the backward kernel and its dweight reduction, which use
+the forward's helpers). Each (storage type, weight type, fused, vector width, threads per
+row, vectors per thread, edges, cluster size) is an instantiation, compiled the first time
+a call needs it on a device (CuPy's disk cache keeps the binary across processes) and kept
+in ``kernel_cache`` as a launchable function.
 """
 
 import functools
@@ -18,16 +20,24 @@ NVRTC_OPTIONS = ("--std=c++17",)
 _HEADER = "cuda_bf16.h"
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_source():
-    """The CUDA source text, from the installed package or the source tree."""
+PROGRAMS = {"forward": ("rms_norm.cu",), "backward": ("rms_norm.cu", "rms_norm_backward.cu")}
+
+
+def _read_kernel_file(name):
+    """One file of kernels/, from the installed package or the source tree."""
     here = os.path.dirname(os.path.abspath(__file__))
     for folder in (os.path.join(here, "kernels"), os.path.join(os.path.dirname(here), "kernels")):
-        path = os.path.join(folder, "rms_norm.cu")
+        path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 return f.read()
-    raise FileNotFoundError("cupy_rmsnorm: kernels/rms_norm.cu is missing from the installation")
+    raise FileNotFoundError(f"cupy_rmsnorm: kernels/{name} is missing from the installation")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(program="forward"):
+    """The CUDA source text of a program (its files joined in order)."""
+    return "\n".join(_read_kernel_file(name) for name in PROGRAMS[program])
 
 
 def instantiation_name(dtype, weight_dtype, fused, plan):
@@ -37,6 +47,17 @@ def instantiation_name(dtype, weight_dtype, fused, plan):
     args = ", ".join(str(a) for a in plan.template_args())
     kernel = "rms_norm_cluster_kernel" if plan.cluster > 1 else "rms_norm_kernel"
     return f"rmsnorm::{kernel}<{t}, {w}, {'true' if fused else 'false'}, {args}>"
+
+
+def backward_instantiation_name(dtype, weight_dtype, plan):
+    """The name expression of the backward kernel a BackwardPlan needs (program "backward")."""
+    args = ", ".join(str(a) for a in plan.template_args())
+    return f"rmsnorm::rms_norm_backward_kernel<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, {args}>"
+
+
+def reduce_instantiation_name(weight_dtype):
+    """The name expression of the dweight reduction writing ``weight_dtype`` (program "backward")."""
+    return f"rmsnorm::rms_norm_backward_reduce_kernel<{CUDA_TYPES[weight_dtype]}>"
 
 
 def _has_header(folder):
@@ -105,31 +126,31 @@ def nvrtc_options(nvrtc_major=None):
 
 
 class KernelCache:
-    """Compiled kernels per (device, instantiation); thread-safe, compiled once."""
+    """Compiled kernels per (device, program, instantiation); thread-safe, compiled once."""
 
     def __init__(self):
         self._functions = {}
         self._lock = threading.Lock()
 
-    def get(self, device_id, name):
-        key = (device_id, name)
+    def get(self, device_id, name, program="forward"):
+        key = (device_id, name, program)
         fn = self._functions.get(key)
         if fn is None:
             with self._lock:
                 fn = self._functions.get(key)
                 if fn is None:
-                    fn = self._functions[key] = _compile(device_id, name)
+                    fn = self._functions[key] = _compile(device_id, name, program)
         return fn
 
     def __len__(self):
         return len(self._functions)
 
 
-def _compile(device_id, name):
+def _compile(device_id, name, program="forward"):
     import cupy
     from cupy_backends.cuda.libs import nvrtc
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=kernel_source(), options=nvrtc_options(nvrtc.getVersion()[0]),
+        module = cupy.RawModule(code=kernel_source(program), options=nvrtc_options(nvrtc.getVersion()[0]),
                                 name_expressions=[name])
         return module.get_function(name).kernel  # the cupy.cuda.Function, bound to this device
 
@@ -137,25 +158,29 @@ def _compile(device_id, name):
 kernel_cache = KernelCache()
 
 
-def compile_offline(names, arch):
-    """Compile instantiations with NVRTC for ``arch`` (e.g. "sm_90") without a GPU or driver.
+def compile_offline(names, arch, program="forward", extra_options=(), log=None):
+    """Compile instantiations of ``program`` with NVRTC for ``arch`` (e.g. "sm_90") without a
+    GPU or driver; ``extra_options`` are added to the library's (e.g. "-Xptxas=-v"), and
+    NVRTC's log is appended to the list ``log`` if one is given.
 
     Used by the CPU tests: CuPy's own compile path asks the device for its
     architecture, its low-level NVRTC binding does not. Returns the cubin (bytes);
     raises RuntimeError with NVRTC's log on a compile error.
     """
     from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(kernel_source(), "rms_norm.cu", [], [])
+    prog = nvrtc.createProgram(kernel_source(program), PROGRAMS[program][-1], [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)
-        opts = list(nvrtc_options(nvrtc.getVersion()[0])) + [f"-arch={arch}", "-ftz=true"]
+        opts = list(nvrtc_options(nvrtc.getVersion()[0])) + [f"-arch={arch}", "-ftz=true", *extra_options]
         try:
             nvrtc.compileProgram(prog, opts)
         except Exception as err:
             raise RuntimeError(f"NVRTC failed for {arch}: {err}\n{nvrtc.getProgramLog(prog)}") from None
         for name in names:
             nvrtc.getLoweredName(prog, name)  # raises if the expression did not instantiate
+        if log is not None:
+            log.append(nvrtc.getProgramLog(prog))
         return nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)

@@ -86,6 +86,15 @@ class CupyKind(_PlainKind):
         return lambda like: cupy.empty(like.shape, dtype=like.dtype)
 
     @staticmethod
+    def empty_of(like, shape, dtype_name=None):
+        """A fresh array of ``shape`` (``like``'s dtype, or ``dtype_name``) on the current device."""
+        return _cupy().empty(shape, dtype=like.dtype if dtype_name is None else np.dtype(dtype_name))
+
+    @staticmethod
+    def zeros_like(a):
+        return _cupy().zeros(a.shape, dtype=a.dtype)
+
+    @staticmethod
     def grad_enabled():
         return False
 
@@ -166,6 +175,17 @@ class TorchKind:
         if (n_inner == 1 or inner == hidden) and outer in (0, hidden * n_inner):
             return torch.empty_like
         return lambda like: torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def empty_of(like, shape, dtype_name=None):
+        """A fresh tensor of ``shape`` (``like``'s dtype, or ``dtype_name``) on like's device."""
+        torch = sys.modules["torch"]
+        dtype = like.dtype if dtype_name is None else getattr(torch, dtype_name)
+        return torch.empty(shape, dtype=dtype, device=like.device)
+
+    @staticmethod
+    def zeros_like(t):
+        return sys.modules["torch"].zeros(t.shape, dtype=t.dtype, device=t.device)
 
     @staticmethod
     def requires_grad(t):

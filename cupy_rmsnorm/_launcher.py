@@ -24,9 +24,9 @@ import threading
 import numpy as np
 
 from . import _driver
-from ._compile import instantiation_name, kernel_cache
+from ._compile import backward_instantiation_name, instantiation_name, kernel_cache, reduce_instantiation_name
 from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, WEIGHT, X
-from ._plan import early_trigger, launch_plan, vector_width_from_bits
+from ._plan import backward_plan, early_trigger, launch_plan, vector_width_from_bits
 
 # kernels/rms_norm.cu: enum Flags and struct Params (eight-byte fields first, no padding;
 # the kernel asserts the same size, and a CPU test reads both sides).
@@ -72,6 +72,7 @@ def remember(signature, launcher):
 def clear_cache():
     """Forget every Launcher (each next call validates and plans anew)."""
     _cache.clear()
+    _backward_cache.clear()
 
 
 @contextlib.contextmanager
@@ -259,3 +260,170 @@ class Launcher:
             _pack_pointers(self._slots, 0, *slots)
             _driver.launch(self.device, kernel, stream, argv)
         return result
+
+
+# -- backward ----------------------------------------------------------------------------------
+# kernels/rms_norm_backward.cu: enum BackwardFlags, struct BackwardParams and ReduceParams
+# (eight-byte fields first, no padding; the kernel asserts the sizes, a CPU test reads both sides).
+BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16}   # with FLAGS' kLlama and kHasWeight
+ADD_GRAD, WEIGHT_GRAD = BACKWARD_FLAGS["kAddGrad"], BACKWARD_FLAGS["kWeightGrad"]
+BACKWARD_PARAMS_BYTES = 104
+BACKWARD_PARAMS_DTYPE = np.dtype([
+    ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
+    ("dy", "<i8", (2,)), ("x", "<i8", (2,)), ("d_residual_out", "<i8", (2,)), ("dx", "<i8", (2,)),
+    ("hidden", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"),
+])
+assert BACKWARD_PARAMS_DTYPE.itemsize == BACKWARD_PARAMS_BYTES
+REDUCE_PARAMS_BYTES = 16
+REDUCE_PARAMS_DTYPE = np.dtype([("partials", "<i8"), ("hidden", "<i8")])
+assert REDUCE_PARAMS_DTYPE.itemsize == REDUCE_PARAMS_BYTES
+REDUCE_COLUMNS, REDUCE_BLOCK = 32, 256      # the reduction kernel's REDUCE_COLUMNS and block
+
+_backward_cache = {}     # (BackwardLayout, Scalars, kind) -> BackwardLauncher
+_backward_overrides = {}  # forced_backward_plan(): backward_plan keyword arguments
+
+
+@contextlib.contextmanager
+def forced_backward_plan(record=None, **overrides):
+    """forced_plan for the backward: new backward plans get ``overrides`` as backward_plan
+    keyword arguments (threads_per_row=, vecs_per_thread=) and go to ``record`` if given."""
+    global _plan_record
+    saved = dict(_backward_overrides), _plan_record
+    _backward_overrides.clear()
+    _backward_overrides.update(overrides)
+    _plan_record = record
+    _backward_cache.clear()
+    try:
+        yield
+    finally:
+        _backward_overrides.clear()
+        _backward_overrides.update(saved[0])
+        _plan_record = saved[1]
+        _backward_cache.clear()
+
+
+def backward_launcher(layout, scalars, kind):
+    """The BackwardLauncher of a backward call's layout (kept: plans, kernels, occupancy)."""
+    key = (layout, scalars, kind)
+    launcher = _backward_cache.get(key)
+    if launcher is None:
+        if len(_backward_cache) >= _MAX_LAUNCHERS:
+            _backward_cache.clear()
+        launcher = _backward_cache[key] = BackwardLauncher(layout, scalars, kind)
+    return launcher
+
+
+def _argv(values):
+    """A kernelParams array for ``values`` (pointers as ints, or NumPy records): the array
+    and what must stay alive until the launch returns."""
+    held = [v if isinstance(v, np.ndarray) else np.array([v], np.uint64) for v in values]
+    argv = np.array([h.ctypes.data for h in held], np.uint64)
+    return ctypes.c_void_p(argv.ctypes.data), (held, argv)
+
+
+class BackwardLauncher:
+    """Launches the backward of one layout: the dx kernel, then the dweight reduction.
+
+    Unlike the forward, a backward call is validated in full every time (it is not on an
+    inference hot path); what is kept per layout is the planning, compiling and occupancy
+    work, per vector width and edges."""
+
+    def __init__(self, layout, scalars, kind):
+        self.kind, self.layout = kind, layout
+        self.device = _driver.device(layout.device)
+        self.rows, self.hidden, self.itemsize = layout.rows, layout.hidden, layout.itemsize
+        strides = layout.row_strides
+        xso, xsi = strides.x
+        # the other arrays must follow x's alignment pattern, row by row (as in the forward)
+        bits = 0
+        for st in (strides.dy, strides.d_residual_out, layout.dx_strides):
+            if st is not None:
+                bits |= ((st[0] - xso) | (st[1] - xsi)) * self.itemsize
+        self.stride_bits = bits
+        self.x_stride_bytes = (xso * self.itemsize) | ((xsi * self.itemsize) if layout.n_inner != 1 else 0)
+        params = np.zeros(1, BACKWARD_PARAMS_DTYPE)
+        params["rows"], params["n_inner"], params["hidden"] = layout.rows, layout.n_inner, layout.hidden
+        for name in ("dy", "x", "d_residual_out"):
+            st = getattr(strides, name)
+            if st is not None:
+                params[name] = st
+        params["dx"] = layout.dx_strides
+        params["eps"], params["weight_offset"] = scalars.eps, scalars.weight_offset
+        params["flags"] = (LLAMA if scalars.llama else 0) | (ADD_GRAD if strides.d_residual_out is not None else 0)
+        self.params = params
+        # a fresh contiguous dx (x's row strides decide whether torch's empty_like gives one)
+        self._empty_dx = kind.empty_getter(strides.x, layout.n_inner, layout.hidden)
+        self._by_vec = {}
+        self._reduce = None
+        self._lock = threading.Lock()
+
+    def plan_and_function(self, vec, edges):
+        """The plan (its grid fitted to the kernel's occupancy) and compiled kernel for a
+        vector width and edges (cached; compiled on first use)."""
+        entry = self._by_vec.get((vec, edges))
+        if entry is None:
+            d = self.device
+            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, edges=edges,
+                                 **_backward_overrides)
+            name = backward_instantiation_name(self.layout.dtype, self.layout.weight_dtype, plan)
+            fn = kernel_cache.get(d.index, name, "backward")
+            from cupy_backends.cuda.api import driver
+            _driver.ensure_context(d.index)
+            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
+            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, edges=edges,
+                                 max_blocks_per_sm=per_sm, **_backward_overrides)
+            if _plan_record is not None:
+                _plan_record.append(plan)
+            kernel = _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block)
+            entry = self._by_vec[(vec, edges)] = (plan, kernel)
+        return entry
+
+    def reduce_kernel(self):
+        if self._reduce is None:
+            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self.layout.weight_dtype), "backward")
+            grid = -(-self.hidden // REDUCE_COLUMNS)
+            self._reduce = _driver.KernelLaunch(fn.ptr, (grid, 1), REDUCE_BLOCK)
+        return self._reduce
+
+    def __call__(self, arrays, weight_grad=True):
+        """(dx, dweight) for ``arrays`` (a BackwardArrays); dweight is None without a weight
+        or when ``weight_grad`` is False."""
+        from cupy import cuda
+        if cuda.runtime.getDevice() == self.device.index:
+            return self._run(arrays, weight_grad)
+        with cuda.Device(self.device.index):
+            return self._run(arrays, weight_grad)
+
+    def _run(self, arrays, weight_grad):
+        kind, ptr = self.kind, self.kind.ptr
+        dy, x, dres, w = arrays
+        want_dw = w is not None and weight_grad
+        dx = self._empty_dx(x)
+        if self.rows == 0:
+            return dx, (kind.zeros_like(w) if want_dw else None)
+        px = ptr(x)
+        pointers = [ptr(dy), px, ptr(dres) if dres is not None else 0, ptr(dx), ptr(w) if w is not None else 0]
+        bits = self.stride_bits
+        for p in (pointers[0], pointers[2], pointers[3]):
+            if p:
+                bits |= p - px
+        vec = vector_width_from_bits(self.itemsize, bits)
+        edges = bool(self.hidden % vec or (px | self.x_stride_bytes) % (vec * self.itemsize))
+        plan, kernel = self.plan_and_function(vec, edges)
+        partials = dweight = None
+        if want_dw:
+            partials = kind.empty_of(x, (plan.partials, self.hidden), "float32")
+            dweight = kind.empty_of(w, (self.hidden,), None)
+        params = self.params.copy()
+        params["rows_per_block"] = plan.rows_per_block
+        params["flags"] |= (HAS_WEIGHT if w is not None else 0) | (WEIGHT_GRAD if want_dw else 0)
+        argv, held = _argv(pointers + [ptr(partials) if partials is not None else 0, params])
+        with self._lock:      # the KernelLaunch records hold the stream
+            stream = kind.stream(self.device.index)
+            _driver.launch(self.device, kernel, stream, argv)
+            if want_dw:
+                rp = np.zeros(1, REDUCE_PARAMS_DTYPE)
+                rp["partials"], rp["hidden"] = plan.partials, self.hidden
+                rargv, rheld = _argv([ptr(partials), ptr(dweight), rp])
+                _driver.launch(self.device, self.reduce_kernel(), stream, rargv)
+        return dx, dweight

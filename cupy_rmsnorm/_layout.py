@@ -291,3 +291,80 @@ def overlap(a, b, rows, n_inner, hidden, itemsize):
         return "partial" if np.shares_memory(fa, fb, max_work=10**6) else None
     except _TooHardError:
         return "maybe"
+
+
+# -- backward ----------------------------------------------------------------------------------
+
+class BackwardArrays(NamedTuple):
+    """A backward call's inputs: the gradient of the output, the forward's normalized input
+    (x, or the fused op's residual_out), the gradient of residual_out (fused op; None for
+    none or rms_norm) and the weight."""
+    dy: object
+    x: object
+    d_residual_out: object = None
+    weight: object = None
+
+
+B_DY, B_X, B_D_RESIDUAL_OUT, B_WEIGHT = range(4)   # BackwardArrays positions
+BACKWARD_ROWS = (B_DY, B_X, B_D_RESIDUAL_OUT)       # the arrays of x's shape
+
+
+class BackwardLayout(NamedTuple):
+    """Everything about a validated backward call but the addresses (as CallLayout).
+
+    row_strides: a BackwardArrays of (outer, inner) row strides in elements (None for the
+      weight and absent arrays); dx_strides: the fresh, contiguous dx's.
+    """
+    shape: tuple
+    rows: int
+    n_inner: int
+    dtype: str
+    itemsize: int
+    weight_dtype: Optional[str]
+    weight_itemsize: int
+    device: int
+    row_strides: BackwardArrays
+    dx_strides: tuple
+    copied: bool
+
+    @property
+    def hidden(self):
+        return self.shape[-1]
+
+
+def backward_layout(kind, arrays, metas):
+    """The BackwardLayout of a validated backward call and its arrays, inputs the kernel
+    cannot read in place (a strided last axis, leading axes past two strided levels)
+    replaced by contiguous copies. Nothing is written, so no overlap matters."""
+    arrays, metas = list(arrays), list(metas)
+    copied = False
+
+    def copy(k):
+        nonlocal copied
+        copied = True
+        arrays[k] = kind.contiguous(arrays[k])
+        metas[k] = kind.meta(arrays[k])
+
+    xm = metas[B_X]
+    hidden = xm.shape[-1]
+    for k in BACKWARD_ROWS + (B_WEIGHT,):
+        if metas[k] is not None and not _unit_last(metas[k], hidden):
+            copy(k)
+    order = [B_X] + [k for k in (B_DY, B_D_RESIDUAL_OUT) if metas[k] is not None]   # x sets the split
+    layout = row_layout(xm.shape, [metas[k].strides[:-1] for k in order])
+    if any(st is None for st in layout.strides):
+        for k, st in zip(order, layout.strides):
+            if st is None:
+                copy(k)
+        layout = row_layout(xm.shape, [metas[k].strides[:-1] for k in order])
+    rows, n_inner = layout.rows, layout.n_inner
+    n_outer = rows // n_inner if n_inner else 0
+    strides = [None] * 4
+    for k, (so, si) in zip(order, layout.strides):
+        strides[k] = (so if n_outer > 1 else 0, si if n_inner > 1 else 0)
+    dx_strides = (hidden * n_inner if n_outer > 1 else 0, hidden if n_inner > 1 else 0)
+    wm = metas[B_WEIGHT]
+    result = BackwardLayout(tuple(xm.shape), rows, n_inner, xm.dtype, xm.itemsize,
+                            wm.dtype if wm else None, wm.itemsize if wm else 0, xm.device,
+                            BackwardArrays(*strides), dx_strides, copied)
+    return BackwardArrays(*arrays), result

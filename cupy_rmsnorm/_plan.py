@@ -179,3 +179,93 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
         raise ValueError(f"x has too many rows for one launch ({rows})")
     return LaunchPlan("registers" if nv else "stream", vec, g, nv, rows_per_block, g * rows_per_block, grid,
                       bool(edges), c)
+
+
+# -- backward --------------------------------------------------------------------------------
+# The backward keeps two arrays of the row (dy and x) and this thread's dweight sums in
+# registers: one vector per thread in block-per-row groups (two measured 80-126 registers
+# with ptxas -v, sm_90, bf16), two in the warp groups of short rows.
+BACKWARD_MAX_VECS_PER_THREAD = 2     # warp groups (rows of up to 64 vectors)
+BACKWARD_GROUP_VECTORS = 64          # rows up to here: groups of 8..32 threads share a block
+BACKWARD_STREAM_THREADS = 512        # rows past MAX_BLOCK vectors stream through blocks this size
+# Resident threads per SM the grid aims for: 2 x 16 bytes in flight per thread is enough
+# bytes in flight to stream (H200), and each block adds a row of partial sums to reduce.
+BACKWARD_THREADS_PER_SM = 1024
+BACKWARD_GROUPS_BLOCK = WARP_VARIANT_BLOCK   # the kernel's block when groups share it (GROUPS)
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How one backward call is launched (kernels/rms_norm_backward.cu).
+
+    variant, vec, threads_per_row, vecs_per_thread, edges: as in ``LaunchPlan``.
+    groups_per_block: row groups per block (``256 / threads_per_row`` for groups of <= 32
+      threads, else 1), each on its own row at a time.
+    rows_per_block: the contiguous rows each block handles, looping; a multiple of
+      groups_per_block. grid: blocks, ``ceil(rows / rows_per_block)``; each writes one row
+      of dweight partial sums, so ``grid`` is also the number of partial rows the
+      reduction kernel adds (in a fixed order: the bits depend only on the plan).
+    """
+
+    variant: str
+    vec: int
+    threads_per_row: int
+    vecs_per_thread: int
+    groups_per_block: int
+    block: int
+    rows_per_block: int
+    grid: int
+    edges: bool = True
+
+    def template_args(self):
+        """The backward kernel's template arguments after <T, W>: VEC, G, NV, EDGES."""
+        return self.vec, self.threads_per_row, self.vecs_per_thread, "true" if self.edges else "false"
+
+    @property
+    def partials(self):
+        return self.grid
+
+
+def backward_geometry(hidden, vec):
+    """(threads per row, vectors per thread) for rows of ``hidden`` elements in vectors of
+    ``vec``: groups of 8..32 threads with up to two vectors each for rows of up to 64
+    vectors; one vector per thread in a block of 128..1024 for up to 1024 vectors; past
+    that a streamed row (no vectors kept) per block of BACKWARD_STREAM_THREADS."""
+    n = max(hidden // vec, 1)
+    if n <= BACKWARD_GROUP_VECTORS:
+        g = min(max(_pow2_ceil(_ceil_div(n, BACKWARD_MAX_VECS_PER_THREAD)), 8), WARP)
+        return g, _pow2_ceil(_ceil_div(n, g))
+    if n <= MAX_BLOCK:
+        return max(_pow2_ceil(n), 2 * WARP), 1
+    return BACKWARD_STREAM_THREADS, 0
+
+
+def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_blocks_per_sm=None,
+                  threads_per_row=None, vecs_per_thread=None):
+    """Choose the backward's geometry for ``rows`` rows of ``hidden`` elements.
+
+    threads per row and vectors per thread: ``backward_geometry``. The grid aims at
+    BACKWARD_THREADS_PER_SM resident threads per SM (at most ``max_blocks_per_sm`` blocks
+    per SM, what the kernel's registers allow: the launcher asks the driver), every block
+    looping over an equal contiguous chunk of rows: a function of (rows, the geometry,
+    sm_count, max_blocks_per_sm) only, so the same call reduces in the same order every
+    time. ``itemsize`` is x's (kept for symmetry with launch_plan; vec already says it in
+    elements). threads_per_row / vecs_per_thread force a geometry (for sweeps and tests).
+    """
+    if rows < 0 or hidden < 1 or vec < 1 or itemsize < 1 or sm_count < 1:
+        raise ValueError("backward_plan needs rows >= 0, hidden >= 1, vec >= 1, itemsize >= 1, sm_count >= 1")
+    if not edges and hidden % vec:
+        raise ValueError("edges=False needs hidden to be a multiple of vec (rows of whole vectors)")
+    g, nv = backward_geometry(hidden, vec)
+    g, nv = threads_per_row or g, (nv if vecs_per_thread is None else vecs_per_thread)
+    groups = BACKWARD_GROUPS_BLOCK // g if g <= WARP else 1
+    if nv == 0 and groups > 1:
+        raise ValueError("a streamed row needs more than 32 threads per row")
+    block = g * groups
+    per_sm = max(1, BACKWARD_THREADS_PER_SM // block)
+    if max_blocks_per_sm is not None:
+        per_sm = max(1, min(per_sm, max_blocks_per_sm))
+    target_grid = sm_count * per_sm
+    chunk = _ceil_div(max(_ceil_div(rows, target_grid), 1), groups) * groups
+    grid = max(1, _ceil_div(rows, chunk))
+    return BackwardPlan("registers" if nv else "stream", vec, g, nv, groups, block, chunk, grid, bool(edges))

@@ -1,4 +1,5 @@
-"""The two ops registered with ``torch.library``, so torch.compile sees one op per call.
+"""The ops registered with ``torch.library``, so torch.compile sees one op per call, and
+autograd through them.
 
     cupy_rmsnorm::rms_norm(Tensor x, Tensor? weight, float eps, float weight_offset,
                            str casting_mode) -> Tensor
@@ -6,7 +7,23 @@
                                      float weight_offset, str casting_mode) -> (Tensor, Tensor)
     cupy_rmsnorm::fused_add_rms_norm_inplace(Tensor(a0!) x, Tensor(a1!) residual, Tensor? weight,
                                              float eps, float weight_offset, str casting_mode) -> ()
-        (vLLM's in-place form: x becomes the normalized output, residual the sum)
+        (vLLM's in-place form: x becomes the normalized output, residual the sum; forward-only)
+    cupy_rmsnorm::rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, float eps,
+                                    float weight_offset, str casting_mode, bool weight_grad)
+                                    -> (Tensor, Tensor)
+    cupy_rmsnorm::fused_add_rms_norm_backward(Tensor dy, Tensor? d_residual_out, Tensor residual_out,
+                                              Tensor? weight, float eps, float weight_offset,
+                                              str casting_mode, bool weight_grad) -> (Tensor, Tensor)
+        (dx or d_input, and dweight; dweight is an empty tensor of x's dtype when weight is
+        None or weight_grad is False)
+
+Autograd (``torch.library.register_autograd``): rms_norm and fused_add_rms_norm save their
+input x (the fused op: its output residual_out) and the weight, and their backward is the
+backward op, one node in a compiled backward graph. The in-place fused op stays
+forward-only: a call of the in-place form that autograd would have to record is a
+RuntimeError. In eager mode a public call with a tensor that requires grad while grad mode
+is on goes through these ops (``call(..., differentiable=True)``); every other eager call
+keeps the direct path.
 
 Each has a fake implementation (outputs of the right shape and dtype, no data), so
 dynamo traces a call as one node, inductor schedules around it and CUDA graphs capture
@@ -22,8 +39,8 @@ from typing import Optional
 import torch
 
 from . import _api, _interop
-from ._layout import Arrays
-from ._validate import check_arrays, check_scalars
+from ._layout import Arrays, BackwardArrays
+from ._validate import check_arrays, check_backward_arrays, check_scalars
 
 Tensor = torch.Tensor
 
@@ -51,14 +68,16 @@ def fused_add_rms_norm_inplace(x: Tensor, residual: Tensor, weight: Optional[Ten
     _direct(True, x, residual, weight, x, residual, eps, weight_offset, casting_mode)
 
 
+def _fake_meta(t):
+    if t is None:
+        return None
+    name = _interop.TorchKind._dtype_map().get(t.dtype) or str(t.dtype).replace("torch.", "")
+    return _interop.Meta(0, tuple(t.shape), tuple(t.stride()), name, t.element_size(), 0)
+
+
 def _check_fake(x, residual, weight):
     """The shape and dtype checks of the real path, on fake tensors (no addresses)."""
-    def meta(t):
-        if t is None:
-            return None
-        name = _interop.TorchKind._dtype_map().get(t.dtype) or str(t.dtype).replace("torch.", "")
-        return _interop.Meta(0, tuple(t.shape), tuple(t.stride()), name, t.element_size(), 0)
-    check_arrays(Arrays(meta(x), meta(residual), meta(weight)))
+    check_arrays(Arrays(_fake_meta(x), _fake_meta(residual), _fake_meta(weight)))
 
 
 @rms_norm.register_fake
@@ -79,10 +98,89 @@ def _(x, residual, weight, eps, weight_offset, casting_mode):
     _check_fake(x, residual, weight)
 
 
-def call(fused, arrays, eps, weight_offset, casting_mode):
-    """A public call while torch.compile traces: the registered ops, with any given
-    outputs filled by a copy (the in-place fused form, ``out=x, residual_out=residual``,
-    is its own op)."""
+# -- backward ---------------------------------------------------------------------------------
+
+def _no_weight_grad(x):
+    return x.new_empty(0)
+
+
+@torch.library.custom_op("cupy_rmsnorm::rms_norm_backward", mutates_args=())
+def rms_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
+                      casting_mode: str, weight_grad: bool) -> tuple[Tensor, Tensor]:
+    dx, dweight = _api._backward_call(False, BackwardArrays(dy, x, None, weight), eps, weight_offset,
+                                      casting_mode, weight_grad)
+    return dx, (_no_weight_grad(x) if dweight is None else dweight)
+
+
+@torch.library.custom_op("cupy_rmsnorm::fused_add_rms_norm_backward", mutates_args=())
+def fused_add_rms_norm_backward(dy: Tensor, d_residual_out: Optional[Tensor], residual_out: Tensor,
+                                weight: Optional[Tensor], eps: float, weight_offset: float, casting_mode: str,
+                                weight_grad: bool) -> tuple[Tensor, Tensor]:
+    dx, dweight = _api._backward_call(True, BackwardArrays(dy, residual_out, d_residual_out, weight), eps,
+                                      weight_offset, casting_mode, weight_grad)
+    return dx, (_no_weight_grad(residual_out) if dweight is None else dweight)
+
+
+def _fake_backward(names, arrays, weight_grad):
+    check_backward_arrays(BackwardArrays(*(_fake_meta(t) for t in arrays)), names)
+    x, weight = arrays.x, arrays.weight
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if weight is None or not weight_grad:
+        return dx, _no_weight_grad(x)
+    return dx, torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+@rms_norm_backward.register_fake
+def _(dy, x, weight, eps, weight_offset, casting_mode, weight_grad):
+    return _fake_backward(_api._BACKWARD_NAMES[False], BackwardArrays(dy, x, None, weight), weight_grad)
+
+
+@fused_add_rms_norm_backward.register_fake
+def _(dy, d_residual_out, residual_out, weight, eps, weight_offset, casting_mode, weight_grad):
+    return _fake_backward(_api._BACKWARD_NAMES[True], BackwardArrays(dy, residual_out, d_residual_out, weight),
+                          weight_grad)
+
+
+def _setup_rms_norm(ctx, inputs, output):
+    x, weight, eps, weight_offset, casting_mode = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.scalars = (eps, weight_offset, casting_mode)
+
+
+def _rms_norm_grad(ctx, dy):
+    x, weight = ctx.saved_tensors
+    weight_grad = weight is not None and ctx.needs_input_grad[1]
+    dx, dweight = rms_norm_backward(dy, x, weight, *ctx.scalars, weight_grad)
+    return (dx if ctx.needs_input_grad[0] else None), (dweight if weight_grad else None), None, None, None
+
+
+def _setup_fused(ctx, inputs, output):
+    x, residual, weight, eps, weight_offset, casting_mode = inputs
+    ctx.save_for_backward(output[1], weight)      # residual_out: what was normalized
+    ctx.scalars = (eps, weight_offset, casting_mode)
+
+
+def _fused_grad(ctx, dy, d_residual_out):
+    residual_out, weight = ctx.saved_tensors
+    if dy is None:                                # the normalized output was not used
+        dy = torch.zeros_like(residual_out)
+    weight_grad = weight is not None and ctx.needs_input_grad[2]
+    d_input, dweight = fused_add_rms_norm_backward(dy, d_residual_out, residual_out, weight, *ctx.scalars,
+                                                   weight_grad)
+    # one tensor: the gradient of x + residual reaches both unchanged
+    return ((d_input if ctx.needs_input_grad[0] else None), (d_input if ctx.needs_input_grad[1] else None),
+            (dweight if weight_grad else None), None, None, None)
+
+
+torch.library.register_autograd("cupy_rmsnorm::rms_norm", _rms_norm_grad, setup_context=_setup_rms_norm)
+torch.library.register_autograd("cupy_rmsnorm::fused_add_rms_norm", _fused_grad, setup_context=_setup_fused)
+
+
+def call(fused, arrays, eps, weight_offset, casting_mode, differentiable=False):
+    """A public call through the registered ops, with any given outputs filled by a copy
+    (the in-place fused form, ``out=x, residual_out=residual``, is its own op): while
+    torch.compile traces, and (``differentiable``) in eager mode when autograd must record
+    the call."""
     x, residual, weight, out, residual_out = arrays
     if fused and residual is None:
         raise TypeError("residual must be an array of x's shape and dtype, got None")
@@ -92,6 +190,10 @@ def call(fused, arrays, eps, weight_offset, casting_mode):
         y = rms_norm(x, *args)
         return y if out is None else out.copy_(y)
     if out is x and residual_out is residual:
+        if differentiable:
+            raise RuntimeError("fused_add_rms_norm in place (out=x, residual_out=residual) is forward-only, "
+                               "and a tensor of this call requires grad: call it without out= / "
+                               "residual_out= to train, or under torch.no_grad()")
         fused_add_rms_norm_inplace(x, residual, *args)
         return x, residual
     y, s = fused_add_rms_norm(x, residual, *args)

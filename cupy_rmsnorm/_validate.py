@@ -55,34 +55,48 @@ def check_scalars(eps, weight_offset, casting_mode, has_weight):
 def check_arrays(metas):
     """dtype, shape and device checks; ``metas``: an Arrays of Meta records (None where absent)."""
     names = Arrays._fields
-    xm = metas[X]
-    if xm.dtype not in DTYPES:
-        raise TypeError(f"x must be float32, float16 or bfloat16, got {xm.dtype}")
-    if len(xm.shape) < 1:
-        raise ValueError("x must have at least one dimension, got a 0-d array")
-    if xm.shape[-1] == 0:
-        raise ValueError("x has hidden size 0 (its last axis is empty); there is nothing to normalize")
-    if xm.shape[-1] > MAX_HIDDEN:
-        raise ValueError(f"x has hidden size {xm.shape[-1]}; at most {MAX_HIDDEN} (2**31 - 1) is supported")
-    for k in ROWS[1:]:
-        m = metas[k]
-        if m is None:
-            continue
-        if m.dtype != xm.dtype:
-            raise TypeError(f"{names[k]} must have x's dtype {xm.dtype}, got {m.dtype}")
-        if tuple(m.shape) != tuple(xm.shape):
-            raise ValueError(f"{names[k]} must have x's shape {tuple(xm.shape)}, got {tuple(m.shape)}")
-    wm = metas[WEIGHT]
-    if wm is not None:
-        if len(wm.shape) != 1 or wm.shape[0] != xm.shape[-1]:
-            raise ValueError(f"weight must have shape ({xm.shape[-1]},) (x's last axis), got {tuple(wm.shape)}")
-        if wm.dtype not in (xm.dtype, "float32"):
-            raise TypeError(f"weight must have x's dtype {xm.dtype} or float32, got {wm.dtype}")
-    for name, m in zip(names[1:], metas[1:]):
-        if m is not None and m.device != xm.device:
-            raise ValueError(f"{name} is on device {m.device} but x is on device {xm.device}; "
-                             f"all arrays must be on one device")
+    _check_like_x(metas[X], [(names[k], metas[k]) for k in ROWS[1:]], metas[WEIGHT], "x",
+                  list(zip(names[1:], metas[1:])))
     for k in OUTPUTS:
         if metas[k] is not None and not metas[k].writeable:
             raise ValueError(f"{names[k]} is read-only (for a torch inference tensor: writeable only "
                              f"inside torch.inference_mode()); pass a writeable {names[k]}")
+
+
+def check_backward_arrays(metas, names):
+    """The same checks for a backward call: ``metas`` a BackwardArrays of Meta records,
+    ``names`` its arguments' names (the second, x's place, is the array the others follow)."""
+    dy, x, d_residual_out, weight = metas
+    anchor = names[1]
+    _check_like_x(x, [(names[0], dy), (names[2], d_residual_out)], weight, anchor,
+                  [(names[0], dy), (names[2], d_residual_out), (names[3], weight)])
+
+
+def _check_like_x(xm, rows, wm, anchor, on_device):
+    """x (called ``anchor``) a float array with a hidden size; ``rows`` (name, Meta) pairs of
+    x's shape and dtype; the weight; every array of ``on_device`` on x's device."""
+    if xm.dtype not in DTYPES:
+        raise TypeError(f"{anchor} must be float32, float16 or bfloat16, got {xm.dtype}")
+    if len(xm.shape) < 1:
+        raise ValueError(f"{anchor} must have at least one dimension, got a 0-d array")
+    if xm.shape[-1] == 0:
+        raise ValueError(f"{anchor} has hidden size 0 (its last axis is empty); there is nothing to normalize")
+    if xm.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"{anchor} has hidden size {xm.shape[-1]}; at most {MAX_HIDDEN} (2**31 - 1) is supported")
+    for name, m in rows:
+        if m is None:
+            continue
+        if m.dtype != xm.dtype:
+            raise TypeError(f"{name} must have {anchor}'s dtype {xm.dtype}, got {m.dtype}")
+        if tuple(m.shape) != tuple(xm.shape):
+            raise ValueError(f"{name} must have {anchor}'s shape {tuple(xm.shape)}, got {tuple(m.shape)}")
+    if wm is not None:
+        if len(wm.shape) != 1 or wm.shape[0] != xm.shape[-1]:
+            raise ValueError(f"weight must have shape ({xm.shape[-1]},) ({anchor}'s last axis), "
+                             f"got {tuple(wm.shape)}")
+        if wm.dtype not in (xm.dtype, "float32"):
+            raise TypeError(f"weight must have {anchor}'s dtype {xm.dtype} or float32, got {wm.dtype}")
+    for name, m in on_device:
+        if m is not None and m.device != xm.device:
+            raise ValueError(f"{name} is on device {m.device} but {anchor} is on device {xm.device}; "
+                             f"all arrays must be on one device")

@@ -11,11 +11,13 @@ Importing this submodule imports torch (and registers the library's torch ops);
 
 Under torch.compile (``fullgraph=True`` included) each norm is one registered op
 (``torch.ops.cupy_rmsnorm.*``, see ``cupy_rmsnorm._torch_ops``): dynamo traces no
-library Python, and CUDA graphs capture the launches. The modules are forward-only,
-like the library: they run on CUDA tensors under ``torch.no_grad()`` /
-``torch.inference_mode()`` (which ``model.generate`` uses). With grad mode on, a weight
-that requires grad is a RuntimeError rather than a silent detach; set
-``weight.requires_grad_(False)`` to run them with grad mode on.
+library Python, and CUDA graphs capture the launches. The modules train: with grad mode
+on and a tensor that requires grad (the weight Parameter does), a call goes through the
+registered op, whose backward is the library's backward kernels (gradients of x, the
+residual and the weight; deterministic). Calls under ``torch.no_grad()`` /
+``torch.inference_mode()`` (which ``model.generate`` uses) keep the thin direct path. The
+in-place form ``FusedAddRMSNorm(...)(x, residual, out=x, residual_out=residual)`` is
+forward-only (a RuntimeError where autograd would have to record it).
 """
 
 import inspect
@@ -241,8 +243,9 @@ def patch_hf_rmsnorm(model, fuse_residual=False):
     otherwise. Forward hooks on the old modules are not carried over.
 
     Differences from the original modules: the output has the input's dtype even when
-    the weight's dtype differs (HF returns the promoted dtype there); the modules are
-    forward-only (see this module's docstring). Under torch.compile each is one registered
+    the weight's dtype differs (HF returns the promoted dtype there); the gradients are the
+    library's backward (dx in float32 arithmetic, rounded once; HF's autograd rounds
+    ``dy * weight`` to the dtype first in llama mode). Under torch.compile each is one registered
     op, so inductor no longer fuses the residual add before a norm into its own norm
     kernel: ``fuse_residual=True`` does that fusion here instead.
 

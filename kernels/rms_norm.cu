@@ -95,9 +95,12 @@ __device__ __forceinline__ T normalize(float v, float inv_rms, float wv, int fla
     return from_float<T>(n * wv);
 }
 
+// A plain load, not __ldg: __ldg is an asm statement the compiler may treat as free of side
+// effects and hoist out of the bounds check that guards it (it did, in the backward kernel:
+// w[tid] read for tid == hidden).
 template <typename W>
 __device__ __forceinline__ float weight_at(const W* w, int j, float w_offset, int flags) {
-    return (flags & kHasWeight) ? to_float(__ldg(w + j)) + w_offset : 1.0f;
+    return (flags & kHasWeight) ? to_float(w[j]) + w_offset : 1.0f;
 }
 
 // Normalize one body vector with its weights (already offset).

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Runs tests/sanitize_grid.py under compute-sanitizer's memcheck, racecheck and initcheck
-# and prints one summary line per tool; exits non-zero if any tool or the grid failed.
+# Runs tests/sanitize_grid.py (the forward) and tests/sanitize_backward_grid.py (the
+# backward) under compute-sanitizer's memcheck, racecheck and initcheck and prints one
+# summary line per tool and grid; exits non-zero if any tool or grid failed.
 #
 #     scripts/sanitize.sh                 # from anywhere; needs a GPU and compute-sanitizer
 #     SANITIZE_LOG_DIR=dir scripts/sanitize.sh   # keep the full logs there (default: a temp dir)
+#     SANITIZE_GRIDS=sanitize_backward_grid scripts/sanitize.sh   # one grid only
 #     PYTHON=python3.12 SANITIZER_FLAGS="..." scripts/sanitize.sh
 #
 # racecheck runs the grid with --quick (it instruments every shared-memory access and is
@@ -33,24 +35,26 @@ api_flag=""
 
 status=0
 summary=()
+for grid_name in ${SANITIZE_GRIDS:-sanitize_grid sanitize_backward_grid}; do
 for tool in memcheck racecheck initcheck; do
     quick=""
     [ "$tool" = racecheck ] && quick="--quick"
-    log="$LOG_DIR/$tool.log"
+    log="$LOG_DIR/$grid_name.$tool.log"
     start=$(date +%s)
     # shellcheck disable=SC2086  # the unquoted ones are flag lists (or nothing) on purpose
     "$SAN" --tool "$tool" --error-exitcode 1 $api_flag ${SANITIZER_FLAGS:-} \
-        "$PY" tests/sanitize_grid.py $quick >"$log" 2>&1
+        "$PY" "tests/$grid_name.py" $quick >"$log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     errors=$(grep -E "ERROR SUMMARY" "$log" | tail -1 | sed -E 's/^=+ *//')
-    grid=$(grep -E "^sanitize_grid:" "$log" | tail -1)
+    grid=$(grep -E "^$grid_name:" "$log" | tail -1)
     if [ "$rc" -eq 0 ]; then verdict=PASS; else verdict="FAIL (exit $rc)"; status=1; fi
-    summary+=("$tool: $verdict; ${errors:-no sanitizer summary}; ${grid:-grid did not finish}; ${secs}s")
+    summary+=("$grid_name $tool: $verdict; ${errors:-no sanitizer summary}; ${grid:-grid did not finish}; ${secs}s")
     if [ "$rc" -ne 0 ]; then
-        echo "---- $tool: first reports ($log) ----"
+        echo "---- $grid_name $tool: first reports ($log) ----"
         grep -E "^=+ |WRONG|Error|error" "$log" | head -40
     fi
+done
 done
 printf '%s\n' "${summary[@]}"
 exit $status

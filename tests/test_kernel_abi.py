@@ -40,3 +40,39 @@ def test_flags_match_the_kernel():
     body = re.search(r"enum Flags \{(.*?)\};", kernel_source(), re.S).group(1)
     flags = {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
     assert flags == _launcher.FLAGS
+
+
+def test_backward_params_match_the_kernel():
+    src = kernel_source("backward")
+    for struct, size_attr, dtype in (("BackwardParams", "BACKWARD_PARAMS_BYTES", _launcher.BACKWARD_PARAMS_DTYPE),
+                                     ("ReduceParams", "REDUCE_PARAMS_BYTES", _launcher.REDUCE_PARAMS_DTYPE)):
+        size = int(re.search(r"static_assert\(sizeof\(%s\) == (\d+)" % struct, src).group(1))
+        assert size == getattr(_launcher, size_attr) == dtype.itemsize, struct
+        fields = _struct_fields(src, struct)
+        assert [f for f, _ in fields] == list(dtype.names), struct
+        for name, ctype in fields:
+            assert dtype.fields[name][0].itemsize == _SIZES[ctype], (struct, name)
+        offsets = [dtype.fields[n][1] for n in dtype.names]
+        assert offsets == sorted(offsets) and sum(_SIZES[t] for _, t in fields) == size, struct
+
+
+def test_backward_flags_match_the_kernel():
+    body = re.search(r"enum BackwardFlags \{(.*?)\};", kernel_source("backward"), re.S).group(1)
+    flags = {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
+    assert flags == _launcher.BACKWARD_FLAGS
+    assert not set(flags.values()) & set(_launcher.FLAGS.values())     # one Params.flags word
+
+
+def test_reduce_geometry_matches_the_kernel():
+    src = kernel_source("backward")
+    m = re.search(r"constexpr int REDUCE_COLUMNS = (\d+), REDUCE_SLICES = (\d+);", src)
+    assert int(m.group(1)) == _launcher.REDUCE_COLUMNS
+    assert int(m.group(1)) * int(m.group(2)) == _launcher.REDUCE_BLOCK
+
+
+def test_backward_groups_match_the_plan():
+    """The kernel's GROUPS (rows in flight per block) is backward_plan's groups_per_block."""
+    src = kernel_source("backward")
+    assert "constexpr int GROUPS = ROW_THREADS <= 32 ? 256 / ROW_THREADS : 1;" in src
+    from cupy_rmsnorm import _plan
+    assert _plan.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32

@@ -529,3 +529,100 @@ def test_overlap_agrees_with_numpy_shares_memory():
             same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
                     and a.strides == b.strides)
             assert (got == "same") == same
+
+
+# -- backward_plan -----------------------------------------------------------------------------
+
+# (rows, hidden, itemsize, vec, sm_count, max_blocks_per_sm) -> (variant, threads_per_row,
+# vecs_per_thread, groups_per_block, block, rows_per_block, grid), worked out by hand from
+# backward_plan's docstring. With n = hidden // vec vectors per row:
+# - n <= 64: G = next power of two of n / 2 within [8, 32], vectors per thread the next power
+#   of two of n / G, 256 / G groups in a 256-thread block;
+# - n <= 1024: a block of G = next power of two of n (at least 128 here) threads, one vector each;
+# - past that: streamed, 512 threads;
+# - blocks per SM: 1024 // block (at least 1, at most max_blocks_per_sm); rows_per_block:
+#   ceil(rows / (sm_count x blocks per SM)) rounded up to a multiple of the groups;
+#   grid: ceil(rows / rows_per_block), at least 1.
+BACKWARD_TABLE = [
+    ((1, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 1, 1)),
+    ((1024, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 4, 256)),
+    ((4096, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 16, 256)),
+    ((16384, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 63, 261)),
+    ((16384, 8192, 2, 8, H200_SMS, None), ("registers", 1024, 1, 1, 1024, 125, 132)),
+    ((4096, 512, 2, 8, H200_SMS, None), ("registers", 32, 2, 8, 256, 8, 512)),
+    ((4096, 4095, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 16, 256)),      # n = 511
+    ((4096, 4095, 2, 1, H200_SMS, None), ("stream", 512, 0, 1, 512, 16, 256)),         # scalar: n = 4095
+    ((7, 1, 4, 1, H200_SMS, None), ("registers", 8, 1, 32, 256, 32, 1)),
+    ((257, 7, 2, 1, H200_SMS, None), ("registers", 8, 1, 32, 256, 32, 9)),
+    ((100_000, 128, 2, 8, H200_SMS, None), ("registers", 8, 2, 32, 256, 192, 521)),     # n = 16
+    ((4096, 1024, 4, 4, H200_SMS, None), ("registers", 256, 1, 1, 256, 8, 512)),
+    ((4096, 8192, 4, 4, H200_SMS, None), ("stream", 512, 0, 1, 512, 16, 256)),         # n = 2048
+    ((0, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 1, 1)),            # no rows: valid
+    ((4096, 4096, 2, 8, H200_SMS, 1), ("registers", 512, 1, 1, 512, 32, 128)),         # occupancy 1
+    ((4096, 520, 2, 8, H200_SMS, None), ("registers", 128, 1, 1, 128, 4, 1024)),       # n = 65
+    ((3, 33, 2, 1, H200_SMS, None), ("registers", 32, 2, 8, 256, 8, 1)),
+    ((10 ** 6, 2048, 2, 8, A100_SMS, None), ("registers", 256, 1, 1, 256, 2315, 432)),
+]
+
+
+def _backward_fields(p):
+    return (p.variant, p.threads_per_row, p.vecs_per_thread, p.groups_per_block, p.block,
+            p.rows_per_block, p.grid)
+
+
+@pytest.mark.parametrize("args, expected", BACKWARD_TABLE, ids=[str(a) for a, _ in BACKWARD_TABLE])
+def test_backward_plan_table(args, expected):
+    plan = rn.backward_plan(*args[:5], max_blocks_per_sm=args[5])
+    assert _backward_fields(plan) == expected
+    assert plan.vec == args[3] and plan.edges and plan.partials == plan.grid
+    assert plan.template_args() == (args[3], expected[1], expected[2], "true")
+    if args[1] % args[3] == 0:
+        assert rn.backward_plan(*args[:5], edges=False).template_args()[3] == "false"
+
+
+def test_backward_plan_forced_and_refused():
+    p = rn.backward_plan(4096, 4096, 2, 8, H200_SMS, vecs_per_thread=0)
+    assert (p.variant, p.threads_per_row) == ("stream", 512)
+    p = rn.backward_plan(4096, 4096, 2, 8, H200_SMS, threads_per_row=1024, vecs_per_thread=1)
+    assert (p.block, p.rows_per_block, p.grid) == (1024, 32, 128)
+    with pytest.raises(ValueError, match="more than 32 threads"):
+        rn.backward_plan(4, 64, 2, 8, H200_SMS, vecs_per_thread=0)     # a warp group cannot stream
+    with pytest.raises(ValueError, match="multiple of vec"):
+        rn.backward_plan(4, 4095, 2, 8, H200_SMS, edges=False)
+    for args in [(-1, 8, 2, 8, 1), (1, 0, 2, 8, 1), (1, 8, 2, 0, 1), (1, 8, 2, 8, 0), (1, 8, 0, 8, 1)]:
+        with pytest.raises(ValueError):
+            rn.backward_plan(*args)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.grid = 3
+
+
+# the backward kernel's static shared memory: GROUPS x SPAN floats of dweight sums
+STATIC_SHARED_BYTES = 48 * 1024
+
+
+def test_backward_plan_properties():
+    count = 0
+    for hidden in _sampled_hidden_sizes():
+        for itemsize, vec in ((2, 1), (2, 2), (2, 8), (4, 1), (4, 4)):
+            count += 1
+            n = max(hidden // vec, 1)
+            for rows, sms, occupancy in (((0, 1, 3, 257, 4096, 10 ** 6)[count % 6], (1, A100_SMS, H200_SMS)[count % 3],
+                                          (None, 1, 2, 3)[count % 4]),):
+                p = rn.backward_plan(rows, hidden, itemsize, vec, sms, max_blocks_per_sm=occupancy)
+                ctx = (rows, hidden, itemsize, vec, sms, occupancy, p)
+                g = p.threads_per_row
+                assert g & (g - 1) == 0 and 8 <= g <= 1024 and p.block <= 1024, ctx
+                assert p.block == g * p.groups_per_block, ctx
+                assert p.groups_per_block == (256 // g if g <= 32 else 1), ctx
+                if p.variant == "registers":
+                    assert 1 <= p.vecs_per_thread <= 2 and g * p.vecs_per_thread >= n, ctx
+                    span = (g * p.vecs_per_thread + 2) * vec      # the kernel's SPAN >= hidden
+                    assert span >= hidden and p.groups_per_block * span * 4 <= STATIC_SHARED_BYTES, ctx
+                else:
+                    assert p.vecs_per_thread == 0 and p.groups_per_block == 1, ctx
+                assert (p.variant == "stream") == (n > 1024), ctx
+                # every row in exactly one block, every block with rows, few partial rows
+                assert p.rows_per_block % p.groups_per_block == 0, ctx
+                assert p.grid * p.rows_per_block >= rows and (p.grid - 1) * p.rows_per_block < max(rows, 1), ctx
+                per_sm = max(1, min(1024 // p.block, occupancy or 1024))
+                assert p.grid <= sms * per_sm, ctx

@@ -405,27 +405,37 @@ def test_cupy_stream_capture_replays_with_new_inputs():
 # -- errors --------------------------------------------------------------------------------
 
 @requires_torch_gpu
-def test_requires_grad_is_an_error_with_grad_on_and_works_without():
+def test_requires_grad_goes_through_autograd_and_no_grad_stays_direct():
+    """With grad mode on, a tensor that requires grad makes the call an autograd node whose
+    gradients are the backward functions'; under no_grad / inference_mode the same call has
+    no grad_fn (the direct path)."""
     x, w = _randn((4, 256), "float16", 28), _weight(256, "float16")
+    dy = _randn((4, 256), "float16", 29)
     xg = x.clone().requires_grad_(True)
-    with pytest.raises(RuntimeError, match="forward-only"):
-        rn.rms_norm(xg, w)
+    y = rn.rms_norm(xg, w)
+    assert y.grad_fn is not None and y.requires_grad
+    _assert_matches(y.detach(), _eager_fp32(x, w, 1e-6), "float16")
+    y.backward(dy)
+    want_dx, _ = rn.rms_norm_backward(dy, x, w)
+    assert torch.equal(xg.grad, want_dx)
     with torch.no_grad():
-        y = rn.rms_norm(xg, w)
-    _assert_matches(y, _eager_fp32(x, w, 1e-6), "float16")
-    with pytest.raises(RuntimeError, match="forward-only"):   # also once a fast path exists
-        rn.rms_norm(xg, w)
+        y0 = rn.rms_norm(xg, w)
+    assert y0.grad_fn is None and torch.equal(y0, y.detach())
+    assert rn.rms_norm(xg, w).grad_fn is not None      # also once a fast path exists
     wp = nn.Parameter(w.clone())   # a module's weight: requires grad
-    with pytest.raises(RuntimeError, match="weight requires grad"):
-        rn.rms_norm(x, wp)
+    rn.rms_norm(x, wp).backward(dy)
+    assert torch.equal(wp.grad, rn.rms_norm_backward(dy, x, w)[1])
     with torch.inference_mode():
         y2 = rn.rms_norm(x, wp)
-    _assert_matches(y2, y, "float16")
-    with torch.no_grad():
-        y3, s3 = rn.fused_add_rms_norm(x, x, wp)
-    assert torch.equal(s3, x + x)
-    with pytest.raises(RuntimeError, match="forward-only"):
-        rn.fused_add_rms_norm(x, x, wp)
+    assert torch.equal(y2, y.detach())
+    xr, rr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y3, s3 = rn.fused_add_rms_norm(xr, rr, wp)
+    assert torch.equal(s3.detach(), x + x)
+    (y3.float().sum() + s3.float().sum()).backward()
+    assert xr.grad is not None and torch.equal(xr.grad, rr.grad)
+    with pytest.raises(RuntimeError, match="forward-only"):     # the in-place form
+        a, b = x.clone(), x.clone()
+        rn.fused_add_rms_norm(a, b, wp, out=a, residual_out=b)
 
 
 @requires_torch_gpu
@@ -539,8 +549,12 @@ def test_rmsnorm_module():
     with torch.no_grad():
         y = m(x)
     _assert_matches(y, _eager_llama(x, m.weight.detach(), eps), "bfloat16")
-    with pytest.raises(RuntimeError, match="forward-only"):
-        m(x)
+    trained = m(x)                           # grad mode on, the weight requires grad: autograd
+    assert torch.equal(trained.detach(), y)
+    dy = _randn((8, hidden), "bfloat16", 40)
+    trained.backward(dy)
+    want = rn.rms_norm_backward(dy, x, m.weight.detach(), eps, casting_mode="llama")[1]
+    assert m.weight.grad is not None and torch.equal(m.weight.grad, want)
     m.weight.requires_grad_(False)
     assert torch.equal(m(x), y)
 

@@ -1,0 +1,312 @@
+// Backward of RMSNorm (and of the fused residual-add + RMSNorm), compiled at run time by NVRTC.
+//
+// This file is compiled in one program after kernels/rms_norm.cu (cupy_rmsnorm/_compile.py
+// joins them) and uses its helpers: to_float / from_float, Pack, group_sum, weight_at,
+// weights_of, the Flags enum, RowStrides and the programmatic-dependent-launch waits.
+//
+// Per row, in float32 (the contract in cupy_rmsnorm/_reference.py):
+//   r = rsqrt(sum(x^2) / hidden + eps)       recomputed here: the forward saves nothing
+//   w' = w + weight_offset, g = dy * w'      (g = dy without a weight)
+//   dx = r * (g - x * r * c),  c = r * sum(g * x) / hidden   (= mean(g * xhat))
+//   fused op: x is the forward's residual_out s, and dx += d_residual_out before the rounding
+//   dweight = sum over rows of dy * xhat     (kLlama: xhat rounded to T first, as the forward)
+// One pass over the row gives both sums; the row is kept in registers for the second pass
+// (THREAD_VECS > 0) or re-read (THREAD_VECS == 0: rows too long for registers).
+//
+// Work split (cupy_rmsnorm/_plan.py, backward_plan): a persistent-ish grid; block b owns the
+// contiguous rows [b * rows_per_block, (b + 1) * rows_per_block), handled by GROUPS row groups
+// of ROW_THREADS threads (group k takes rows begin + k, begin + k + GROUPS, ...). Each group
+// adds dy * xhat per column over its rows, in shared memory (or, streamed, in the block's
+// partials row), and the block writes one float32 row of partial sums: partials[b][col].
+// The second kernel adds the partial rows in a fixed order. Nothing depends on timing (no float atomics): the same
+// inputs and plan give the same bits on every run.
+
+namespace rmsnorm {
+
+// BackwardParams.flags: Flags' kLlama and kHasWeight (g = dy * w'), and these
+enum BackwardFlags { kAddGrad = 8, kWeightGrad = 16 };   // dx += d_residual_out; write dweight partials
+
+// Everything but the pointers, by value (mirrored by cupy_rmsnorm/_launcher.py's
+// BACKWARD_PARAMS_DTYPE; a CPU test reads both sides). Row r of an array starts at
+// (r / n_inner) * outer + (r % n_inner) * inner elements.
+struct BackwardParams {
+    long long rows, n_inner, rows_per_block;
+    RowStrides dy, x, d_residual_out, dx;
+    int hidden;
+    float eps, weight_offset;
+    int flags;
+};
+static_assert(sizeof(BackwardParams) == 104, "BackwardParams: 104 bytes, as cupy_rmsnorm/_launcher.py packs it");
+
+// The reduction kernel's sizes (mirrored by REDUCE_PARAMS_DTYPE).
+struct ReduceParams {
+    long long partials, hidden;
+};
+static_assert(sizeof(ReduceParams) == 16, "ReduceParams: 16 bytes, as cupy_rmsnorm/_launcher.py packs it");
+
+template <typename T>
+__device__ __forceinline__ const T* row_of(const T* base, const RowStrides& s, long long outer, long long inner) {
+    return base + outer * s.outer + inner * s.inner;
+}
+
+// The weights (offset added) of body vector v; one 16-byte load when aligned.
+template <typename W, int VEC>
+__device__ __forceinline__ void weights_at(const W* wb, int v, bool w_vec, float w_offset, int flags,
+                                           float (&wv)[VEC]) {
+    if (w_vec) {
+        const Pack<W, VEC> wp = reinterpret_cast<const Pack<W, VEC>*>(wb)[v];
+        weights_of<W, VEC>(wp, w_offset, wv);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) wv[e] = weight_at(wb, v * VEC + e, w_offset, flags);
+    }
+}
+
+// xhat as the weight multiply of the forward saw it: rounded to T in llama mode.
+template <typename T>
+__device__ __forceinline__ float xhat_for_weight(float xf, float inv_rms, int flags) {
+    const float n = xf * inv_rms;
+    return (flags & kLlama) ? to_float(from_float<T>(n)) : n;
+}
+
+// One element of dx (float32 until the one rounding at the end).
+template <typename T>
+__device__ __forceinline__ T dx_of(float dyf, float xf, float wf, float inv_rms, float c, float add) {
+    return from_float<T>(inv_rms * (dyf * wf - xf * inv_rms * c) + add);
+}
+
+// Sums of (a, b) over a row group: warp shuffles, then (ROW_THREADS > 32, one group per
+// block) the block's warps through shared memory. `parity` alternates row by row, so one
+// __syncthreads per row suffices (a buffer is written again only two rows later, after
+// every thread has passed the next row's barrier, hence read this one).
+template <int ROW_THREADS>
+__device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
+    a = group_sum<ROW_THREADS>(a);
+    b = group_sum<ROW_THREADS>(b);
+    if (ROW_THREADS > 32) {
+        constexpr int WARPS = ROW_THREADS > 32 ? ROW_THREADS / 32 : 1;
+        __shared__ float2 warp_sums[2][WARPS];
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        if (lane == 0) warp_sums[parity][warp] = make_float2(a, b);
+        __syncthreads();
+        const float2 s = lane < WARPS ? warp_sums[parity][lane] : make_float2(0.f, 0.f);
+        a = group_sum<32>(s.x);
+        b = group_sum<32>(s.y);
+    }
+}
+
+// dx for a block's rows, and its row of dweight partial sums (with kWeightGrad).
+template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
+__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256)
+rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
+                         const BackwardParams p) {
+    using VecT = Pack<T, VEC>;
+    constexpr int GROUPS = ROW_THREADS <= 32 ? 256 / ROW_THREADS : 1;   // rows in flight per block
+    constexpr int NV = THREAD_VECS > 0 ? THREAD_VECS : 1;
+    // a group's dweight sums, one float per column (hidden <= SPAN for register plans)
+    constexpr int SPAN = THREAD_VECS > 0 ? (ROW_THREADS * THREAD_VECS + 2) * VEC : 1;
+    static_assert(ROW_THREADS >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
+    static_assert(THREAD_VECS > 0 || GROUPS == 1, "streamed rows get a block each");
+    __shared__ float dw_sums[GROUPS * SPAN];
+
+    const int hidden = p.hidden, flags = p.flags;
+    const float w_offset = p.weight_offset;
+    const bool has_weight = flags & kHasWeight, weight_grad = flags & kWeightGrad, add_grad = flags & kAddGrad;
+    const int tid = threadIdx.x % ROW_THREADS, group = threadIdx.x / ROW_THREADS;
+    const long long begin = (long long)blockIdx.x * p.rows_per_block;
+    const long long end = min(begin + p.rows_per_block, p.rows);
+    // Where this block's dweight sums build up: shared memory (one row per group), or for
+    // streamed rows its own row of partials in global memory. Either way each column gets
+    // one addition per row, rows in order; the thread that makes it may change from row to
+    // row (the head's length follows each row's alignment), so rows are separated by a
+    // barrier: the block's in row_sums, or a __syncwarp for warp groups.
+    float* sums = THREAD_VECS > 0 ? dw_sums + group * SPAN : partials + (long long)blockIdx.x * hidden;
+    if (THREAD_VECS > 0 && weight_grad) {
+        for (int j = threadIdx.x; j < GROUPS * SPAN; j += blockDim.x) dw_sums[j] = 0.f;
+        __syncthreads();
+    }
+
+    wait_for_previous_kernel();                  // no global memory access before this
+    int parity = 0;
+    // every thread of the block runs the same iterations (the shuffles need whole warps)
+    for (long long base = begin; base < end; base += GROUPS, parity ^= 1) {
+        const long long row = base + group;
+        const bool active = row < end;
+        const long long r = active ? row : begin;
+        long long outer = r, inner = 0;
+        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+        const T* dyr = row_of(dy, p.dy, outer, inner);
+        const T* xr = row_of(x, p.x, outer, inner);
+        T* dxr = const_cast<T*>(row_of<T>(dx, p.dx, outer, inner));
+        const T* dres = add_grad ? row_of(d_residual_out, p.d_residual_out, outer, inner) : nullptr;
+
+        // Head (up to x's row's first 16-byte boundary; every array shares x's alignment
+        // pattern, the launcher made sure), body of whole vectors, tail.
+        int head = 0, n_body = hidden / VEC, tail_start = hidden;
+        if (EDGES) {
+            const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
+            head = min((VEC - mis) & (VEC - 1), hidden);
+            n_body = (hidden - head) / VEC;
+            tail_start = head + n_body * VEC;
+        }
+        const bool has_head = EDGES && active && tid < head;
+        const bool has_tail = EDGES && active && tid < hidden - tail_start;
+        const W* wb = w + head;
+        const bool w_vec = has_weight && (reinterpret_cast<unsigned long long>(wb) % sizeof(Pack<W, VEC>)) == 0;
+        const VecT* dyv = reinterpret_cast<const VecT*>(dyr + head);
+        const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
+
+        float ss = 0.f, sgx = 0.f;               // sum x^2, sum g * x
+        float head_dy = 0.f, head_x = 0.f, tail_dy = 0.f, tail_x = 0.f, head_w = 1.f, tail_w = 1.f;
+        VecT kdy[NV], kx[NV];                    // the row's body, kept for the second pass
+        if (active) {
+            if (THREAD_VECS > 0) {
+#pragma unroll
+                for (int i = 0; i < NV; ++i) {   // every load issued before the first use
+                    const int v = tid + i * ROW_THREADS;
+                    if (v < n_body) { kdy[i] = dyv[v]; kx[i] = xv[v]; }
+                }
+            }
+            if (has_head) {
+                head_dy = to_float(dyr[tid]);
+                head_x = to_float(xr[tid]);
+                head_w = weight_at(w, tid, w_offset, flags);
+            }
+            if (has_tail) {
+                tail_dy = to_float(dyr[tail_start + tid]);
+                tail_x = to_float(xr[tail_start + tid]);
+                tail_w = weight_at(w, tail_start + tid, w_offset, flags);
+            }
+            if (THREAD_VECS > 0) {
+#pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int v = tid + i * ROW_THREADS;
+                    if (v >= n_body) continue;
+                    float wv[VEC];
+                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        const float xf = to_float(kx[i].v[e]);
+                        ss += xf * xf;
+                        sgx += to_float(kdy[i].v[e]) * wv[e] * xf;
+                    }
+                }
+            } else {
+#pragma unroll 2
+                for (int v = tid; v < n_body; v += ROW_THREADS) {
+                    const VecT a = dyv[v], b = xv[v];
+                    float wv[VEC];
+                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        const float xf = to_float(b.v[e]);
+                        ss += xf * xf;
+                        sgx += to_float(a.v[e]) * wv[e] * xf;
+                    }
+                }
+            }
+            if (EDGES) {
+                ss += head_x * head_x + tail_x * tail_x;
+                sgx += head_dy * head_w * head_x + tail_dy * tail_w * tail_x;
+            }
+        }
+        row_sums<ROW_THREADS>(ss, sgx, parity);
+        if (active) {
+            const float inv_rms = rsqrtf(ss / (float)hidden + p.eps);
+            const float c = sgx * inv_rms / (float)hidden;     // mean(g * xhat)
+            // streamed rows: the first row of the block writes its partials, later ones add
+            const bool first_row = THREAD_VECS == 0 && row == begin;
+            if (has_head) {
+                dxr[tid] = dx_of<T>(head_dy, head_x, head_w, inv_rms, c, add_grad ? to_float(dres[tid]) : 0.f);
+                if (weight_grad)
+                    sums[tid] = (first_row ? 0.f : sums[tid]) + head_dy * xhat_for_weight<T>(head_x, inv_rms, flags);
+            }
+            if (has_tail) {
+                const int j = tail_start + tid;
+                dxr[j] = dx_of<T>(tail_dy, tail_x, tail_w, inv_rms, c, add_grad ? to_float(dres[j]) : 0.f);
+                if (weight_grad)
+                    sums[j] = (first_row ? 0.f : sums[j]) + tail_dy * xhat_for_weight<T>(tail_x, inv_rms, flags);
+            }
+            VecT* dxv = reinterpret_cast<VecT*>(dxr + head);
+            const VecT* dresv = reinterpret_cast<const VecT*>(dres + head);
+            float* body_sums = sums + head;
+            if (THREAD_VECS > 0) {
+#pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int v = tid + i * ROW_THREADS;
+                    if (v >= n_body) continue;
+                    float wv[VEC];
+                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+                    VecT add, o;
+                    if (add_grad) add = dresv[v];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        const float dyf = to_float(kdy[i].v[e]), xf = to_float(kx[i].v[e]);
+                        o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
+                        if (weight_grad) body_sums[v * VEC + e] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                    }
+                    dxv[v] = o;
+                }
+            } else {                             // streamed: re-read the row (mostly from L2)
+#pragma unroll 2
+                for (int v = tid; v < n_body; v += ROW_THREADS) {
+                    const VecT a = dyv[v], b = xv[v];
+                    float wv[VEC];
+                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+                    VecT add, o;
+                    if (add_grad) add = dresv[v];
+                    float* pv = body_sums + v * VEC;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        const float dyf = to_float(a.v[e]), xf = to_float(b.v[e]);
+                        o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
+                        if (weight_grad) pv[e] = (first_row ? 0.f : pv[e]) + dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                    }
+                    dxv[v] = o;
+                }
+            }
+        }
+        if (GROUPS > 1) __syncwarp();            // this row's sums before the next row's
+    }
+
+    if (THREAD_VECS > 0 && weight_grad) {        // the groups' sums, added in group order
+        __syncthreads();
+        float* block_partials = partials + (long long)blockIdx.x * hidden;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            float s = 0.f;
+#pragma unroll
+            for (int k = 0; k < GROUPS; ++k) s += dw_sums[k * SPAN + j];
+            block_partials[j] = s;
+        }
+    }
+    allow_next_kernel();
+}
+
+// dweight[j] = sum over the partial rows, in a fixed order: each of REDUCE_SLICES thread rows
+// adds every REDUCE_SLICES-th partial row for 32 columns, then the slices are added in order.
+constexpr int REDUCE_COLUMNS = 32, REDUCE_SLICES = 8;   // the block: 256 threads
+
+template <typename W>
+__global__ void __launch_bounds__(REDUCE_COLUMNS * REDUCE_SLICES)
+rms_norm_backward_reduce_kernel(const float* partials, W* dweight, const ReduceParams p) {
+    __shared__ float slices[REDUCE_SLICES][REDUCE_COLUMNS];
+    const int lane = threadIdx.x % REDUCE_COLUMNS, slice = threadIdx.x / REDUCE_COLUMNS;
+    const long long j = (long long)blockIdx.x * REDUCE_COLUMNS + lane;
+    wait_for_previous_kernel();
+    float s = 0.f;
+    if (j < p.hidden) {
+#pragma unroll 4
+        for (long long k = slice; k < p.partials; k += REDUCE_SLICES) s += partials[k * p.hidden + j];
+    }
+    slices[slice][lane] = s;
+    __syncthreads();
+    if (slice == 0 && j < p.hidden) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < REDUCE_SLICES; ++k) total += slices[k][lane];
+        dweight[j] = from_float<W>(total);
+    }
+    allow_next_kernel();
+}
+
+}  // namespace rmsnorm

@@ -1,0 +1,134 @@
+"""The backward kernels' instantiations compile with NVRTC, without a GPU (see test_compile.py).
+
+By default a representative set: per storage dtype, every geometry backward_plan makes
+(warp groups of 8..32 threads with one or two vectors, blocks of 128..1024 threads, the
+streamed block) at full vector width with edges, and a sample at the narrower widths and
+without edges, with weights of x's dtype and float32; and the three dweight reductions.
+``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every instantiation the launcher can make.
+The register variants are also compiled with ptxas -v at the library's options: they must
+not spill (the plan's geometry was chosen for that).
+"""
+
+import functools
+import os
+import re
+
+import pytest
+from test_compile import ARCHS, ITEMSIZE, MANGLED, NVRTC_MISSING, VECS, _compile_batches
+
+from cupy_rmsnorm import _compile, backward_plan
+from cupy_rmsnorm._compile import CUDA_TYPES, backward_instantiation_name, reduce_instantiation_name
+
+pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=f"NVRTC compile test: {NVRTC_MISSING}")
+
+COMPILE_ALL = os.environ.get("CUPY_RMSNORM_COMPILE_ALL") == "1"
+# vectors per row at each boundary of backward_geometry, times each vec
+VECTOR_COUNTS = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025, 5000)
+SMS = 132
+KERNEL_SYMBOL = re.compile(rb"_ZN7rmsnorm\d+rms_norm_backward\w+")
+
+
+@functools.cache
+def backward_plans(dtype):
+    """Every distinct backward plan (template arguments) for VECTOR_COUNTS."""
+    plans = {}
+    for vec in VECS[dtype]:
+        for n in VECTOR_COUNTS:
+            for hidden in (n * vec, n * vec + 1):
+                for edges in ((True, False) if hidden % vec == 0 else (True,)):
+                    p = backward_plan(4096, hidden, ITEMSIZE[dtype], vec, SMS, edges=edges)
+                    plans.setdefault(p.template_args(), p)
+    return plans
+
+
+def _mangled(dtype, weight, plan):
+    t, w = CUDA_TYPES[dtype], CUDA_TYPES[weight]
+    w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"
+    ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E" for a in plan.template_args())
+    return f"_ZN7rmsnorm24rms_norm_backward_kernelI{MANGLED[t]}{w_code}{ints}EE".encode()
+
+
+@functools.cache
+def instantiations(dtype):
+    """(name expression, mangled prefix) pairs to compile for one storage dtype."""
+    plans = backward_plans(dtype).values()
+    if not COMPILE_ALL:
+        widest = max(VECS[dtype])
+        geometries = {}
+        for p in plans:                    # every geometry at full width, with edges
+            if p.vec == widest and p.edges:
+                geometries[(p.threads_per_row, p.vecs_per_thread)] = p
+        narrow = [p for p in plans if p.vec == 1 and p.edges] + [p for p in plans if not p.edges][:3]
+        plans = list(geometries.values()) + narrow[::3]
+    pairs = set()
+    for p in plans:
+        for weight in (dtype, "float32"):
+            pairs.add((backward_instantiation_name(dtype, weight, p), _mangled(dtype, weight, p)))
+    return sorted(pairs)
+
+
+def _reductions():
+    return sorted((reduce_instantiation_name(w), f"_ZN7rmsnorm31rms_norm_backward_reduce_kernelI{MANGLED[c]}EE".encode())
+                  for w, c in CUDA_TYPES.items())
+
+
+def _check(result, pairs):
+    if isinstance(result, Exception):
+        raise AssertionError(str(result)[:20000])
+    symbols = set(KERNEL_SYMBOL.findall(result))
+    assert len(symbols) == len(pairs), "one kernel per name expression"
+    for expr, prefix in pairs:
+        assert any(s.startswith(prefix) for s in symbols), f"no lowered kernel for {expr} ({prefix!r})"
+
+
+def _backward_batches(batches, fast):
+    with pytest.MonkeyPatch.context() as mp:   # the backward program, not the forward's
+        plain = _compile.compile_offline
+        mp.setattr(_compile, "compile_offline", lambda names, arch: plain(names, arch, "backward"))
+        return _compile_batches(batches, fast)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    batches = []
+    for arch in ARCHS:
+        for dtype in CUDA_TYPES:
+            batches.append(((arch, dtype), [e for e, _ in instantiations(dtype)], arch))
+        batches.append(((arch, "reduce"), [e for e, _ in _reductions()], arch))
+    return _backward_batches(batches, fast=COMPILE_ALL)
+
+
+@pytest.mark.parametrize("dtype", list(CUDA_TYPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backward_instantiations_compile(compiled, arch, dtype):
+    _check(compiled[(arch, dtype)], instantiations(dtype))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reductions_compile(compiled, arch):
+    _check(compiled[(arch, "reduce")], _reductions())
+
+
+def test_every_geometry_is_covered():
+    """The representative set meets every (threads per row, vectors per thread) of the full one."""
+    for dtype in CUDA_TYPES:
+        full = {(p.threads_per_row, p.vecs_per_thread) for p in backward_plans(dtype).values()}
+        assert {(8, 1), (32, 2), (128, 1), (1024, 1), (512, 0)} <= full
+        names = {e for e, _ in instantiations(dtype)}
+        for g, nv in full:
+            assert any(f", {g}, {nv}, " in e for e in names), (dtype, g, nv)
+
+
+def test_register_variants_do_not_spill():
+    """ptxas -v at the library's own options (sm_90): no spill stores in the register
+    variants of the heaviest weights (float32) at full width."""
+    for dtype in CUDA_TYPES:
+        plans = [p for p in backward_plans(dtype).values()
+                 if p.variant == "registers" and p.vec == max(VECS[dtype]) and p.edges]
+        names = [backward_instantiation_name(dtype, "float32", p) for p in plans]
+        log = []
+        _compile.compile_offline(names, "sm_90", "backward", ("-Xptxas=-v",), log)
+        text = log[0].replace("\0", "")
+        spills = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", text, re.S)
+        assert len(spills) == len(names)
+        assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]

@@ -1,0 +1,477 @@
+"""GPU tests of the backward: the kernels against a float64 reference, determinism, torch
+autograd through the registered ops (eager and torch.compile), opcheck.
+
+Needs a CUDA GPU (run on the H200 with ``python3 -m pytest -n 8 tests/test_gpu_backward.py``);
+skipped, with the reason shown, everywhere else.
+
+test_grid: one item per (op, dtype, hidden); op is ``rms_norm``, ``fused`` (the fused op's
+backward without a residual_out gradient) or ``fused_dres`` (with one), so ``-k
+"fused_dres and bfloat16 and 4095"`` picks one item. Inside, casting mode x weight (None;
+x's dtype or float32, with weight_offset 0 and 1) x input layout (2d; 3d (rows, 2, hidden);
+strided rows x[:, :hidden] of a (rows, hidden + 3) buffer (each row at another alignment); a
+flat buffer sliced at element offset 1; the two query heads (rows, 2, head_dim) of a (rows,
+4 heads, head_dim) buffer; "mixed": dy one element off x's alignment, so the scalar path)
+x rows (1, 3, 257, 4096; 3d and the heads hold 2 x rows). Shapes are capped at MAX_ELEMENTS
+per array; past BIG_ELEMENTS each (layout) runs one (mode, weight) pair, rotating. Every
+call checks: dx against the float64 gradient (within half a unit in the last place of the
+dtype plus float32 noise relative to the magnitudes that meet in it), dweight likewise (in
+the weight's dtype), the returned types, and that no input changed. A failure names the
+call, the array and the first bad element with its tolerance.
+"""
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+from helpers import DTYPES, gpu_missing, requires_gpu, torch_cuda_missing
+
+import cupy_rmsnorm as rn
+from cupy_rmsnorm import _launcher
+
+if gpu_missing() is None:
+    import cupy as cp
+    import gpu_reference as G
+
+pytestmark = requires_gpu
+requires_torch_gpu = pytest.mark.skipif(torch_cuda_missing() is not None,
+                                        reason=f"torch GPU test: {torch_cuda_missing()}")
+
+OPS = ("rms_norm", "fused", "fused_dres")
+HIDDEN = (1, 7, 255, 4096, 4095, 8192, 65536)
+ROWS = (1, 3, 257, 4096)
+MODES = ("fp32", "llama")
+WEIGHTS = ((None, 0.0), ("same", 0.0), ("same", 1.0), ("float32", 0.0), ("float32", 1.0))
+LAYOUTS = {"2d": 1, "strided": 1, "offset": 1, "mixed": 1, "3d": 2, "qkv": 2}   # rows per leading index
+PAD = 3
+MAX_ELEMENTS = 2 ** 24
+BIG_ELEMENTS = 2 ** 21
+EPS = 1e-6
+# float32 arithmetic against float64, relative to the magnitudes that meet in a result: dx
+# (sums over the row, rsqrtf) and dweight (sums over up to a few thousand rows)
+NOISE_DX = 2e-5
+NOISE_DW = 3e-5
+MANTISSA = {"float32": 23, "float16": 10, "bfloat16": 7}
+MIN_SPACING = {"float32": 2.0 ** -149, "float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
+
+
+def _seed(*parts):
+    return zlib.crc32("-".join(map(str, parts)).encode())
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    yield
+    if gpu_missing() is None:
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+# -- the float64 reference ------------------------------------------------------------------
+
+def spacing(a64, dtype_name):
+    _, e = cp.frexp(a64)
+    return cp.maximum(cp.exp2(e.astype(cp.float64) - 1 - MANTISSA[dtype_name]), MIN_SPACING[dtype_name])
+
+
+def backward_reference(dy, x, weight, weight_offset, mode, dres=None):
+    """float64 (dx, dweight, dx tolerance, dweight tolerance) for (rows, hidden) arrays.
+
+    dx = r (g - xhat mean(g xhat)) (+ dres), dweight = sum_rows dy xhat (llama: xhat rounded to
+    x's dtype); the weight offset is added in float32, as the contract says."""
+    hidden = x.shape[-1]
+    x64, dy64 = G.to_float64(x).reshape(-1, hidden), G.to_float64(dy).reshape(-1, hidden)
+    r = 1.0 / cp.sqrt(cp.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
+    xhat = x64 * r
+    w = 1.0
+    if weight is not None:
+        w = (G.to_float32(weight) + np.float32(weight_offset)).astype(cp.float64)
+    g = dy64 * w
+    dx = r * (g - xhat * cp.mean(g * xhat, axis=-1, keepdims=True))
+    scale = r * (cp.abs(g) + cp.abs(xhat) * cp.mean(cp.abs(g * xhat), axis=-1, keepdims=True))
+    if dres is not None:
+        d64 = G.to_float64(dres).reshape(-1, hidden)
+        dx, scale = dx + d64, scale + cp.abs(d64)
+    dname = G.name(x.dtype)
+    dx_tol = 0.5 * spacing(dx, dname) + NOISE_DX * scale
+    if weight is None:
+        return dx, None, dx_tol, None
+    xw = G.round_to(xhat, x.dtype) if mode == "llama" else xhat
+    dw = cp.sum(dy64 * xw, axis=0)
+    dw_tol = 0.5 * spacing(dw, G.name(weight.dtype)) + NOISE_DW * cp.sum(cp.abs(dy64 * xw), axis=0)
+    if mode == "llama" and dname != "float32":      # an xhat at a rounding midpoint may round the other way
+        dw_tol = dw_tol + cp.max(cp.abs(dy64) * spacing(xw, dname), axis=0)
+    return dx, dw, dx_tol, dw_tol
+
+
+def clone(a):
+    """A contiguous copy of ``a`` made through its bits (any dtype, bfloat16 included)."""
+    c = cp.empty(a.shape, a.dtype)
+    G.bits(c)[...] = G.bits(a)
+    return c
+
+
+def compare(name, got, ref, tol):
+    """None when got (reshaped to ref's shape) is within tol of ref everywhere, else why not."""
+    g = G.to_float64(got).reshape(ref.shape)
+    ok = (cp.abs(g - ref) <= tol) | (g == ref)
+    if bool(ok.all()):
+        return None
+    bad = cp.argwhere(~ok)
+    first = tuple(int(i) for i in bad[0])
+    nan = int(cp.count_nonzero(cp.isnan(g)))
+    worst = float(cp.nanmax(cp.where(ok, 0.0, cp.abs(g - ref) / tol)))
+    return (f"{name}: {int(bad.shape[0])} of {g.size} elements off (first at {first}: got {float(g[first])!r}, "
+            f"want {float(ref[first])!r}, allowed +-{float(tol[first]):.3g}; worst {worst:.3g}x the "
+            f"tolerance; {nan} NaN)")
+
+
+# -- inputs in layouts ------------------------------------------------------------------------
+
+def normal(rs, shape, scale=1.0):
+    if math.prod(shape) == 0:
+        return cp.zeros(shape, cp.float32)
+    return rs.standard_normal(shape, dtype=cp.float32) * scale
+
+
+def place(layout, data, dtype, for_dy=False):
+    """``data`` (contiguous) copied into a view of ``layout`` inside a NaN-poisoned buffer."""
+    rows, hidden = data.shape[0], data.shape[-1]
+    if layout in ("2d", "3d") or (layout == "mixed" and not for_dy):
+        buf = cp.empty(data.shape, dtype)
+        view = buf
+    elif layout == "strided":
+        buf = cp.empty((rows, hidden + PAD), dtype)
+        view = buf[:, :hidden]
+    elif layout in ("offset", "mixed"):
+        buf = cp.empty(rows * hidden + 8, dtype)
+        view = buf[1:1 + rows * hidden].reshape(rows, hidden)
+    elif layout == "qkv":
+        buf = cp.empty((rows, 4, hidden), dtype)
+        view = buf[:, :2]
+    else:
+        raise AssertionError(layout)
+    G.poison(buf)
+    if view.size:
+        G.bits(view)[...] = G.bits(data)
+    return view
+
+
+class Data:
+    """Fresh inputs and the float64 reference for one (shape, mode, weight, op)."""
+
+    def __init__(self, rs, op, dtype_name, shape, mode, wkind, weight_offset):
+        dtype = DTYPES[dtype_name]
+        hidden = shape[-1]
+        x = normal(rs, shape)
+        if x.size:
+            x *= cp.exp(rs.uniform(math.log(2.0), math.log(8.0), size=shape[:-1] + (1,), dtype=cp.float32))
+        self.x = G.from_float32(x, dtype)
+        self.dy = G.from_float32(normal(rs, shape), dtype)
+        self.dres = G.from_float32(normal(rs, shape), dtype) if op == "fused_dres" else None
+        self.w = None
+        if wkind is not None:
+            w = normal(rs, (hidden,), 0.5) + (0.0 if weight_offset else 1.0)
+            self.w = G.from_float32(w, dtype if wkind == "same" else np.float32)
+        self.op, self.mode, self.weight_offset = op, mode, weight_offset
+        self.ref = backward_reference(self.dy, self.x, self.w, weight_offset, mode, self.dres)
+
+
+def run_call(data, layout):
+    """One backward call with the inputs in ``layout``; None if every check passes, else why not."""
+    dtype = data.x.dtype
+    x = place(layout, data.x, dtype)
+    dy = place(layout, data.dy, dtype, for_dy=True)
+    dres = None if data.dres is None else place(layout, data.dres, dtype, for_dy=True)
+    held = [(a, clone(a)) for a in (x, dy, dres) if a is not None]
+    kwargs = {"weight_offset": data.weight_offset, "casting_mode": data.mode}
+    if data.op == "rms_norm":
+        result = rn.rms_norm_backward(dy, x, data.w, EPS, **kwargs)
+    else:
+        result = rn.fused_add_rms_norm_backward(dy, dres, x, data.w, EPS, **kwargs)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        return f"returned {type(result).__name__}, not (dx, dweight)"
+    dx, dw = result
+    if not isinstance(dx, cp.ndarray) or dx.shape != x.shape or dx.dtype != dtype or not dx.flags.c_contiguous:
+        return f"dx is {type(dx).__name__} {getattr(dx, 'shape', '')} {getattr(dx, 'dtype', '')} (not contiguous?)"
+    if data.w is None:
+        if dw is not None:
+            return "dweight is not None without a weight"
+    elif not isinstance(dw, cp.ndarray) or dw.shape != data.w.shape or dw.dtype != data.w.dtype:
+        return f"dweight is {type(dw).__name__} {getattr(dw, 'shape', '')} {getattr(dw, 'dtype', '')}"
+    ref_dx, ref_dw, tol_dx, tol_dw = data.ref
+    msg = compare("dx", dx, ref_dx, tol_dx)
+    if msg is None and data.w is not None:
+        msg = compare("dweight", dw, ref_dw, tol_dw)
+    if msg:
+        return msg
+    for a, copy in held:
+        if int(G.count_differing_bits(a, copy)):
+            return "an input was written"
+    return None
+
+
+def grid_calls(hidden):
+    pairs = [(m, wk, wo) for m in MODES for wk, wo in WEIGHTS]
+    for ri, rows in enumerate(ROWS):
+        for lead in (1, 2):
+            n = min(rows, MAX_ELEMENTS // (lead * hidden))
+            shape = (n, hidden) if lead == 1 else (n, 2, hidden)
+            big = n * lead * hidden > BIG_ELEMENTS
+            for j, (mode, wk, wo) in enumerate(pairs):
+                for li, layout in enumerate(LAYOUTS):
+                    if LAYOUTS[layout] != lead:
+                        continue
+                    if big and j != (3 * li + ri) % len(pairs):
+                        continue
+                    yield (shape, mode, wk, wo), layout
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("op", OPS)
+def test_grid(op, dtype_name, hidden):
+    rs = cp.random.RandomState(_seed(op, dtype_name, hidden))
+    failures, calls = [], 0
+    data = data_key = None
+    for key, layout in grid_calls(hidden):
+        shape, mode, wk, wo = key
+        if key != data_key:
+            data, data_key = Data(rs, op, dtype_name, shape, mode, wk, wo), key
+        where = (f"[{op} {dtype_name} hidden={hidden} {mode} weight={'none' if wk is None else wk}"
+                 f"{'+1' if wo else ''} {layout} rows={shape[0]}{'x2' if len(shape) == 3 else ''}]")
+        calls += 1
+        try:
+            msg = run_call(data, layout)
+        except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as e:
+            failures.append(f"{where}: CUDA error, stopping (the context is likely gone): {e}")
+            break
+        except Exception as e:  # noqa: BLE001 - report every failing call
+            msg = f"raised {type(e).__name__}: {e}"
+        if msg:
+            failures.append(f"{where}: {msg}")
+        if len(failures) >= 25:
+            break
+    assert calls > 0
+    assert not failures, f"{len(failures)} failing of {calls} calls run:\n" + "\n".join(failures)
+
+
+# -- every kernel shape, forced -------------------------------------------------------------
+
+# (forced backward_plan arguments, hidden size per dtype's item size): each within what the
+# forced geometry covers at full vector width (threads x vectors x vec >= hidden)
+FORCED = {
+    "stream": ({"vecs_per_thread": 0}, {4: 4096, 2: 4096}),
+    "block-1024": ({"threads_per_row": 1024, "vecs_per_thread": 1}, {4: 4096, 2: 8000}),
+    "warp-group-32": ({"threads_per_row": 32, "vecs_per_thread": 2}, {4: 255, 2: 511}),
+}
+
+
+@pytest.mark.parametrize("case", list(FORCED))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_forced_plans(case, dtype_name):
+    """The streamed and block variants on ordinary rows (the grid meets the stream only at
+    hidden 65536 and on the scalar path), and a warp group with rows of up to 64 vectors."""
+    force, hidden_of = FORCED[case]
+    hidden = hidden_of[np.dtype(DTYPES[dtype_name]).itemsize]
+    rs = cp.random.RandomState(_seed("forced", dtype_name, case))
+    plans, failures = [], []
+    with _launcher.forced_backward_plan(record=plans, **force):
+        for op in OPS:
+            for rows, layout, (mode, wk, wo) in ((257, "2d", ("llama", "same", 0.0)),
+                                                 (300, "strided", ("fp32", "float32", 1.0)),
+                                                 (33, "qkv", ("fp32", None, 0.0))):
+                shape = (rows, 2, hidden) if layout == "qkv" else (rows, hidden)
+                msg = run_call(Data(rs, op, dtype_name, shape, mode, wk, wo), layout)
+                if msg:
+                    failures.append(f"[{case} {op} {layout} rows={rows} {mode} {wk}+{wo}] {msg}")
+    assert plans and all(p.vecs_per_thread == force["vecs_per_thread"] for p in plans), plans
+    assert all(p.vec == 16 // np.dtype(DTYPES[dtype_name]).itemsize for p in plans), plans
+    assert not failures, "\n".join(failures)
+
+
+def test_no_rows():
+    x = cp.zeros((0, 4096), cp.float16)
+    w = cp.ones(4096, cp.float32)
+    dx, dw = rn.rms_norm_backward(x, x, w)
+    assert dx.shape == (0, 4096) and dw.dtype == np.float32 and not bool(dw.any())
+    d, dw = rn.fused_add_rms_norm_backward(x, None, x, None)
+    assert d.shape == (0, 4096) and dw is None
+
+
+# -- determinism --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 4095), (4096, 512), (33, 65536), (5000, 100)], ids=str)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_same_inputs_give_the_same_bits(shape, dtype_name):
+    """Two calls on the same inputs: identical dx and dweight bits (no float atomics; the
+    reduction order is the plan's); the second call's outputs come from pool blocks that
+    held NaN, so an unwritten element shows."""
+    rs = cp.random.RandomState(_seed("determinism", shape, dtype_name))
+    data = Data(rs, "fused_dres", dtype_name, shape, "llama", "float32", 0.0)
+    first = rn.fused_add_rms_norm_backward(data.dy, data.dres, data.x, data.w, EPS, casting_mode="llama")
+    kept = [clone(a) for a in first]
+    assert compare("dx", first[0], data.ref[0], data.ref[2]) is None
+    assert compare("dweight", first[1], data.ref[1], data.ref[3]) is None
+    del first
+    for a in kept:                   # hand the freed blocks back poisoned
+        b = cp.empty_like(a)
+        G.poison(b)
+        del b
+    second = rn.fused_add_rms_norm_backward(data.dy, data.dres, data.x, data.w, EPS, casting_mode="llama")
+    for name, a, b in (("dx", second[0], kept[0]), ("dweight", second[1], kept[1])):
+        msg = G.same_bits(a, b)
+        assert msg is None, f"{name} differs between two calls: {msg}"
+
+
+# -- torch --------------------------------------------------------------------------------------
+
+def _torch_data(shape, dtype, seed, scale=1.0):
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def _f64_forward(x, w, eps, offset, mode, dtype):
+    """The contract's forward in float64 for torch's autograd: llama mode rounds xhat to the
+    dtype with a straight-through gradient (the rounding's derivative is taken as one, as
+    the backward contract does)."""
+    xhat = x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    if w is None:
+        return xhat
+    if mode == "llama":
+        xhat = xhat + (xhat.to(dtype).double() - xhat).detach()
+    return xhat * (w + offset)
+
+
+def _torch_spacing(a, dtype_name):
+    import torch
+    _, e = torch.frexp(a)
+    return torch.clamp(torch.exp2(e.double() - 1 - MANTISSA[dtype_name]), min=MIN_SPACING[dtype_name])
+
+
+def _assert_grad(name, got, want, dtype_name, scale, extra=0.0):
+    """got within half a spacing of the dtype plus float32 noise times scale (float64
+    tensors), plus ``extra``."""
+    g = got.double()
+    tol = 0.5 * _torch_spacing(want, dtype_name) + 3e-5 * scale + extra
+    bad = ~((g - want).abs() <= tol)
+    assert not bool(bad.any()), (f"{name}: {int(bad.sum())} of {g.numel()} off; worst "
+                                 f"{float(((g - want).abs() / tol).max()):.3g}x the tolerance")
+
+
+@requires_torch_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("weight_kind", ["same", "float32"])
+def test_torch_autograd_matches_float64(dtype_name, mode, weight_kind):
+    """Module-style calls through autograd (rms_norm then the fused op, both outputs used)
+    against torch's float64 autograd of the contract's formula."""
+    import torch
+    dtype = getattr(torch, dtype_name)
+    wdtype = dtype if weight_kind == "same" else torch.float32
+    rows, hidden, eps, offset = 257, 1000, 1e-6, 0.5
+    x0 = _torch_data((rows, hidden), dtype, 1, 3.0)
+    r0 = _torch_data((rows, hidden), dtype, 2)
+    w0 = (_torch_data((hidden,), torch.float32, 3, 0.3) + 0.5).to(wdtype)
+    dy, ds = _torch_data((rows, hidden), dtype, 4), _torch_data((rows, hidden), dtype, 5)
+
+    x, r, w = (t.clone().requires_grad_(True) for t in (x0, r0, w0))
+    y, s = rn.fused_add_rms_norm(x, r, w, eps, weight_offset=offset, casting_mode=mode)
+    assert y.grad_fn is not None and s.grad_fn is not None
+    torch.autograd.backward([y, s], [dy, ds])
+    s_got = s.detach()
+
+    x64, r64, w64 = (t.double().requires_grad_(True) for t in (x0, r0, w0))
+    s64 = (x64 + r64)
+    s64 = s64 + (s64.to(dtype).double() - s64).detach()      # the rounded sum, gradient one
+    y64 = _f64_forward(s64, w64, eps, offset, mode, dtype)
+    torch.autograd.backward([y64, s64], [dy.double(), ds.double()])
+    assert torch.equal(s_got, (x0 + r0))
+    scale_x = (dy.double().abs() * (w0.double() + offset).abs()).mean() * 4 + ds.double().abs()
+    _assert_grad("d_input (x)", x.grad, x64.grad, dtype_name, scale_x)
+    assert torch.equal(x.grad, r.grad), "x and residual must get the same gradient"
+    xhat = s64.detach() * (s64.detach().pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    scale_w = (dy.double().abs() * xhat.abs()).sum(0)
+    flip = 0.0          # llama: an xhat at a rounding midpoint may round the other way, once per column
+    if mode == "llama" and dtype_name != "float32":
+        flip = (dy.double().abs() * _torch_spacing(xhat, dtype_name)).max(0).values
+    _assert_grad("dweight", w.grad, w64.grad, "float32" if wdtype == torch.float32 else dtype_name, scale_w, flip)
+
+
+@requires_torch_gpu
+def test_torch_module_trains_and_compiles_to_the_eager_gradients():
+    """RMSNorm / FusedAddRMSNorm in a small block: torch.compile(fullgraph=True) of forward +
+    backward gives the eager gradients (the same ops run in both)."""
+    import torch
+
+    import cupy_rmsnorm.torch as rnt
+    torch.manual_seed(0)
+    hidden = 512
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = rnt.RMSNorm(hidden, casting_mode="llama", dtype=torch.bfloat16, device="cuda")
+            self.fused = rnt.FusedAddRMSNorm(hidden, dtype=torch.bfloat16, device="cuda")
+            self.proj = torch.nn.Linear(hidden, hidden, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, x, r):
+            y, s = self.fused(self.proj(x), r)
+            return self.norm(y).float().square().mean() + s.float().mean()
+
+    block = Block()
+    with torch.no_grad():
+        block.norm.weight.normal_(1.0, 0.2)
+        block.fused.weight.normal_(1.0, 0.2)
+    x0, r0 = _torch_data((64, hidden), torch.bfloat16, 6), _torch_data((64, hidden), torch.bfloat16, 7)
+    grads = []
+    torch._dynamo.reset()
+    for fn in (block, torch.compile(block, fullgraph=True)):
+        block.zero_grad(set_to_none=True)
+        x, r = x0.clone().requires_grad_(True), r0.clone().requires_grad_(True)
+        fn(x, r).backward()
+        grads.append([x.grad, r.grad, block.norm.weight.grad, block.fused.weight.grad, block.proj.weight.grad])
+    for name, eager, compiled in zip(("x", "residual", "norm.weight", "fused.weight", "proj.weight"), *grads):
+        assert compiled is not None and eager is not None, name
+        torch.testing.assert_close(compiled.float(), eager.float(), rtol=1.6e-2, atol=1e-5, msg=name)
+
+
+@requires_torch_gpu
+def test_opcheck_with_grad():
+    import torch
+    OPS_ = torch.ops.cupy_rmsnorm
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = _torch_data((5, 4096), dtype, 8).requires_grad_(True)
+        r = _torch_data((5, 4096), dtype, 9).requires_grad_(True)
+        w = (1 + 0.1 * _torch_data((4096,), dtype, 10)).requires_grad_(True)
+        wf = (1 + 0.1 * _torch_data((4095,), torch.float32, 11)).requires_grad_(True)
+        dy = _torch_data((5, 4096), dtype, 12)
+        torch.library.opcheck(OPS_.rms_norm.default, (x, w, 1e-6, 0.0, "llama"))
+        torch.library.opcheck(OPS_.rms_norm.default, (x[:, :4095], wf, 1e-6, 1.0, "fp32"))
+        torch.library.opcheck(OPS_.fused_add_rms_norm.default, (x, r, w, 1e-6, 0.0, "fp32"))
+        torch.library.opcheck(OPS_.fused_add_rms_norm.default, (x, r, None, 1e-6, 0.0, "fp32"))
+        torch.library.opcheck(OPS_.rms_norm_backward.default, (dy, x.detach(), w.detach(), 1e-6, 0.0, "fp32", True))
+        torch.library.opcheck(OPS_.fused_add_rms_norm_backward.default,
+                              (dy, dy, x.detach(), w.detach(), 1e-6, 0.0, "llama", True))
+
+
+@requires_torch_gpu
+def test_torch_backward_functions_run_on_torchs_stream_zero_copy():
+    """rn.rms_norm_backward on torch tensors: torch tensors back, on x's device, from torch's
+    current stream (a side stream's producer is waited for)."""
+    import torch
+    x = _torch_data((64, 4096), torch.bfloat16, 13)
+    dy_src = _torch_data((64, 4096), torch.bfloat16, 14)
+    w = 1 + 0.1 * _torch_data((4096,), torch.bfloat16, 15)
+    want = rn.rms_norm_backward(dy_src, x, w)
+    side = torch.cuda.Stream()
+    dy = torch.zeros_like(dy_src)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        dy.copy_(dy_src)
+        got = rn.rms_norm_backward(dy, x, w)
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert type(a) is torch.Tensor and a.device == x.device
+        assert torch.equal(a, b)
