@@ -1,6 +1,6 @@
 """Backward benchmark: GPU time of the RMSNorm backward alone and of forward + backward, ours
-against the peers, all in one run (CUDA-graph mode: each measurement is CUDA events around
-the replay of a graph of many calls; median over rounds).
+against the peers, all in one run (graph mode: CUDA events around the replay of a graph of
+many calls; cold mode: one call after a 512 MiB write flushed the L2; medians over rounds).
 
     python benchmarks/backward.py --out DIR [--dtypes bfloat16,float16] [--repeats 7] [--budget-s 240]
 
@@ -43,8 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="timed graph replays per measurement")
     p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new shape past this")
+    p.add_argument("--modes", default="graph,cold",
+                   help="graph (replays of a CUDA graph of many calls) and/or cold (one call after an L2 flush)")
     args = p.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
+    args.modes = args.modes.split(",")
+    if not set(args.modes) <= {"graph", "cold"}:
+        p.error(f"--modes: graph and/or cold, not {args.modes}")
     args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     return args
 
@@ -108,11 +113,13 @@ def agreement(x, w, dy):
     return rel(dx, rx), rel(dw, rw)
 
 
-def measure(runner, fn, nbytes, bandwidth, args):
+def measure(runner, fn, nbytes, bandwidth, args, mode="graph", scratch=None):
     from cupy_rmsnorm.bench import timing
     timing.warm_up(runner, fn)
-    calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
-    timer = timing.GraphTimer(runner, fn, calls)
+    if mode == "cold":
+        timer = timing.ColdTimer(runner, fn, scratch)
+    else:
+        timer = timing.GraphTimer(runner, fn, timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us))
     try:
         return timing.measure(timer, args.repeats)
     finally:
@@ -120,14 +127,14 @@ def measure(runner, fn, nbytes, bandwidth, args):
 
 
 def table(rows):
-    lines = [f"{'dtype':9} {'shape':>12} {'phase':17} " + " ".join(f"{i:>13}" for i in IMPLS)
+    lines = [f"{'dtype':9} {'shape':>12} {'phase':17} {'mode':5} " + " ".join(f"{i:>13}" for i in IMPLS)
              + f" {'ours/best':>9} {'agree dx':>9} {'agree dw':>9}"]
     for r in rows:
         t = r["us"]
         peers = [t[i] for i in ("F.rms_norm", "torch.compile", "liger") if t.get(i) is not None]
         ratio = f"{t['ours'] / min(peers):9.3f}" if peers and t.get("ours") else f"{'-':>9}"
         cells = " ".join(f"{t[i]:13.2f}" if t.get(i) is not None else f"{'-':>13}" for i in IMPLS)
-        lines.append(f"{r['dtype']:9} {r['rows']:>5}x{r['hidden']:<6} {r['phase']:17} {cells} {ratio} "
+        lines.append(f"{r['dtype']:9} {r['rows']:>5}x{r['hidden']:<6} {r['phase']:17} {r.get('mode', 'graph'):5} {cells} {ratio} "
                      f"{r['agree_dx']:9.2e} {r['agree_dw']:9.2e}")
     return "\n".join(lines)
 
@@ -137,9 +144,9 @@ def write(args, payload):
     with open(os.path.join(args.out, "backward.json"), "w") as f:
         json.dump(payload, f, indent=1)
     with open(os.path.join(args.out, "backward.csv"), "w") as f:
-        f.write("dtype,rows,hidden,phase," + ",".join(f"{i}_us" for i in IMPLS) + ",agree_dx,agree_dw\n")
+        f.write("dtype,rows,hidden,phase,mode," + ",".join(f"{i}_us" for i in IMPLS) + ",agree_dx,agree_dw\n")
         for r in payload["results"]:
-            f.write(f"{r['dtype']},{r['rows']},{r['hidden']},{r['phase']},"
+            f.write(f"{r['dtype']},{r['rows']},{r['hidden']},{r['phase']},{r.get('mode', 'graph')},"
                     + ",".join("" if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS)
                     + f",{r['agree_dx']:.3e},{r['agree_dw']:.3e}\n")
 
@@ -157,9 +164,10 @@ def main(argv=None):
     liger, liger_why = liger_apply()
     compiled = torch.compile(eager_rms_norm, fullgraph=True, dynamic=False)
     runner = timing.TorchRunner()
+    scratch = timing.Scratch() if "cold" in args.modes else None
     bandwidth, _ = timing.copy_bandwidth_gbps()
     payload = {"device": timing.device_info(), "versions": peers.versions(), "copy_bandwidth_gbps": bandwidth,
-               "mode": "graph", "repeats": args.repeats, "skipped": {}, "results": []}
+               "modes": args.modes, "repeats": args.repeats, "skipped": {}, "results": []}
     if liger is None:
         payload["skipped"]["liger"] = liger_why
     print(f"{payload['device']['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; liger: {liger_why or 'yes'}", flush=True)
@@ -178,28 +186,30 @@ def main(argv=None):
             agree_dx, agree_dw = agreement(x, w, dy)
             for phase in PHASES:
                 nbytes = BYTES_PER_ELEMENT_MOVED[phase] * x.numel() * x.element_size()
-                us = {}
-                for impl in IMPLS:
-                    if impl == "liger" and liger is None:
-                        us[impl] = None
-                        continue
-                    try:
-                        with runner.context():
-                            fn = build(impl, phase, x, w, dy, compiled, liger)
-                        us[impl] = measure(runner, fn, nbytes, bandwidth, args)
-                    except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
-                        us[impl] = None
-                        payload["skipped"][f"{impl} {phase} {dtype_name} {rows}x{hidden}"] = f"{type(e).__name__}: {e}"
-                        print(f"  {impl} {phase} {dtype_name} {rows}x{hidden}: {type(e).__name__}: {e}", flush=True)
-                row = {"dtype": dtype_name, "rows": rows, "hidden": hidden, "phase": phase, "us": us,
-                       "agree_dx": agree_dx, "agree_dw": agree_dw, "bytes": nbytes}
-                payload["results"].append(row)
-                print(table([row]).splitlines()[1], flush=True)
+                for mode in args.modes:
+                    us = {}
+                    for impl in IMPLS:
+                        if impl == "liger" and liger is None:
+                            us[impl] = None
+                            continue
+                        try:
+                            with runner.context():
+                                fn = build(impl, phase, x, w, dy, compiled, liger)
+                            us[impl] = measure(runner, fn, nbytes, bandwidth, args, mode, scratch)
+                        except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
+                            us[impl] = None
+                            where = f"{impl} {phase} {mode} {dtype_name} {rows}x{hidden}"
+                            payload["skipped"][where] = f"{type(e).__name__}: {e}"
+                            print(f"  {where}: {type(e).__name__}: {e}", flush=True)
+                    row = {"dtype": dtype_name, "rows": rows, "hidden": hidden, "phase": phase, "mode": mode,
+                           "us": us, "agree_dx": agree_dx, "agree_dw": agree_dw, "bytes": nbytes}
+                    payload["results"].append(row)
+                    print(table([row]).splitlines()[1], flush=True)
             torch.cuda.empty_cache()
         write(args, payload)
     payload["elapsed_s"] = time.perf_counter() - start
     write(args, payload)
-    print("\nGPU microseconds per call (CUDA graph replay, median):")
+    print("\nGPU microseconds per call (graph: CUDA graph replay; cold: one call after an L2 flush; medians):")
     print(table(payload["results"]))
     for k, v in payload["skipped"].items():
         print(f"skipped {k}: {v}")

@@ -106,6 +106,13 @@ _BACKWARD_NAMES = {False: ("dy", "x", "d_residual_out", "weight"),
 def _backward_call(fused, arrays, eps, weight_offset, casting_mode, weight_grad=True):
     """Validate everything (every call), then run on the caller's arrays' kind.
     ``weight_grad``: False skips dweight (autograd, when the weight needs no gradient)."""
+    # Fast path: a signature seen before (everything but the pointers) needs no validation;
+    # the backward writes only fresh outputs, so no pointer can overlap anything it writes.
+    dy, x, d_residual_out, weight = arrays
+    signature = _interop.signature(fused, (x, d_residual_out, weight, dy, None), eps, weight_offset, casting_mode)
+    launcher = _launcher.backward_lookup(signature)
+    if launcher is not None:
+        return launcher(arrays, weight_grad)
     names = _BACKWARD_NAMES[fused]
     if arrays.dy is None:
         raise TypeError(f"dy must be an array of {names[1]}'s shape and dtype, got None")
@@ -120,16 +127,21 @@ def _backward_call(fused, arrays, eps, weight_offset, casting_mode, weight_grad=
     if kind is DlpackKind:
         arrays = BackwardArrays(*(None if a is None else kind.to_cupy(a, n) for n, a in zip(names, arrays)))
         kind = CupyKind
+    resolved = arrays
     if kind is TorchKind:
         register_torch_ops()
         _check_torch(arrays, names)
-        arrays = BackwardArrays(*(None if a is None else kind.resolve(a, n) for n, a in zip(names, arrays)))
-    metas = BackwardArrays(*(None if a is None else kind.meta(a) for a in arrays))
+        resolved = BackwardArrays(*(None if a is None else kind.resolve(a, n) for n, a in zip(names, arrays)))
+    metas = BackwardArrays(*(None if a is None else kind.meta(a) for a in resolved))
     _validate.check_backward_arrays(metas, names)
-    arrays, layout = backward_layout(kind, arrays, metas)
+    copied = any(a is not b for a, b in zip(arrays, resolved))
+    arrays, layout = backward_layout(kind, resolved, metas)
     if kind is NumpyKind:
         return _run_numpy_backward(fused, arrays, scalars, weight_grad)
-    return _launcher.backward_launcher(layout, scalars, kind)(arrays, weight_grad)
+    launcher = _launcher.backward_launcher(layout, scalars, kind)
+    if not (copied or layout.copied):       # (NumPy and DLPack calls have no signature)
+        _launcher.backward_remember(signature, launcher)
+    return launcher(arrays, weight_grad)
 
 
 def _run_numpy_backward(fused, arrays, scalars, weight_grad):

@@ -73,6 +73,7 @@ def clear_cache():
     """Forget every Launcher (each next call validates and plans anew)."""
     _cache.clear()
     _backward_cache.clear()
+    _backward_signatures.clear()
 
 
 @contextlib.contextmanager
@@ -265,8 +266,8 @@ class Launcher:
 # -- backward ----------------------------------------------------------------------------------
 # kernels/rms_norm_backward.cu: enum BackwardFlags, struct BackwardParams and ReduceParams
 # (eight-byte fields first, no padding; the kernel asserts the sizes, a CPU test reads both sides).
-BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16}   # with FLAGS' kLlama and kHasWeight
-ADD_GRAD, WEIGHT_GRAD = BACKWARD_FLAGS["kAddGrad"], BACKWARD_FLAGS["kWeightGrad"]
+BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16, "kDirectWeight": 32}   # with FLAGS' kLlama and kHasWeight
+ADD_GRAD, WEIGHT_GRAD, DIRECT_WEIGHT = (BACKWARD_FLAGS[k] for k in ("kAddGrad", "kWeightGrad", "kDirectWeight"))
 BACKWARD_PARAMS_BYTES = 104
 BACKWARD_PARAMS_DTYPE = np.dtype([
     ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
@@ -293,6 +294,7 @@ def forced_backward_plan(record=None, **overrides):
     _backward_overrides.update(overrides)
     _plan_record = record
     _backward_cache.clear()
+    _backward_signatures.clear()
     try:
         yield
     finally:
@@ -300,6 +302,31 @@ def forced_backward_plan(record=None, **overrides):
         _backward_overrides.update(saved[0])
         _plan_record = saved[1]
         _backward_cache.clear()
+        _backward_signatures.clear()
+
+
+_backward_signatures = {}   # _interop.signature of a backward call -> its BackwardLauncher
+
+
+def backward_lookup(signature):
+    """The BackwardLauncher remembered for a backward call's signature, or None."""
+    if signature is None:
+        return None
+    try:
+        return _backward_signatures.get(signature)
+    except TypeError:        # an unhashable part (an odd eps, say): no fast path
+        return None
+
+
+def backward_remember(signature, launcher):
+    if signature is None:
+        return
+    if len(_backward_signatures) >= _MAX_LAUNCHERS:
+        _backward_signatures.clear()
+    try:
+        _backward_signatures[signature] = launcher
+    except TypeError:
+        pass
 
 
 def backward_launcher(layout, scalars, kind):
@@ -411,17 +438,22 @@ class BackwardLauncher:
         edges = bool(self.hidden % vec or (px | self.x_stride_bytes) % (vec * self.itemsize))
         plan, kernel = self.plan_and_function(vec, edges)
         partials = dweight = None
+        # one block that keeps its sums in shared memory writes dweight itself: no reduction
+        direct = want_dw and plan.grid == 1 and plan.vecs_per_thread > 0
         if want_dw:
-            partials = kind.empty_of(x, (plan.partials, self.hidden), "float32")
             dweight = kind.empty_of(w, (self.hidden,), None)
+            if not direct:
+                partials = kind.empty_of(x, (plan.partials, self.hidden), "float32")
         params = self.params.copy()
         params["rows_per_block"] = plan.rows_per_block
-        params["flags"] |= (HAS_WEIGHT if w is not None else 0) | (WEIGHT_GRAD if want_dw else 0)
-        argv, held = _argv(pointers + [ptr(partials) if partials is not None else 0, params])
+        params["flags"] |= ((HAS_WEIGHT if w is not None else 0) | (WEIGHT_GRAD if want_dw else 0)
+                            | (DIRECT_WEIGHT if direct else 0))
+        argv, held = _argv(pointers + [ptr(partials) if partials is not None else 0,
+                                       ptr(dweight) if dweight is not None else 0, params])
         with self._lock:      # the KernelLaunch records hold the stream
             stream = kind.stream(self.device.index)
             _driver.launch(self.device, kernel, stream, argv)
-            if want_dw:
+            if want_dw and not direct:
                 rp = np.zeros(1, REDUCE_PARAMS_DTYPE)
                 rp["partials"], rp["hidden"] = plan.partials, self.hidden
                 rargv, rheld = _argv([ptr(partials), ptr(dweight), rp])

@@ -258,6 +258,8 @@ def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_bloc
         raise ValueError("edges=False needs hidden to be a multiple of vec (rows of whole vectors)")
     g, nv = backward_geometry(hidden, vec)
     g, nv = threads_per_row or g, (nv if vecs_per_thread is None else vecs_per_thread)
+    if nv and g * nv < hidden // vec:
+        raise ValueError(f"{g} threads x {nv} vectors of {vec} elements do not cover a row of {hidden}")
     groups = BACKWARD_GROUPS_BLOCK // g if g <= WARP else 1
     if nv == 0 and groups > 1:
         raise ValueError("a streamed row needs more than 32 threads per row")

@@ -24,7 +24,8 @@
 namespace rmsnorm {
 
 // BackwardParams.flags: Flags' kLlama and kHasWeight (g = dy * w'), and these
-enum BackwardFlags { kAddGrad = 8, kWeightGrad = 16 };   // dx += d_residual_out; write dweight partials
+// dx += d_residual_out; write dweight partials; write dweight itself (a grid of one block)
+enum BackwardFlags { kAddGrad = 8, kWeightGrad = 16, kDirectWeight = 32 };
 
 // Everything but the pointers, by value (mirrored by cupy_rmsnorm/_launcher.py's
 // BACKWARD_PARAMS_DTYPE; a CPU test reads both sides). Row r of an array starts at
@@ -95,16 +96,67 @@ __device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
     }
 }
 
-// dx for a block's rows, and its row of dweight partial sums (with kWeightGrad).
+// Where row r's arrays start and how x's row splits into head / body / tail.
+struct RowView {
+    long long outer, inner;
+    int head, n_body, tail_start;
+};
+
+template <typename T, int VEC, bool EDGES>
+__device__ __forceinline__ RowView row_view(const T* x, const BackwardParams& p, long long r) {
+    RowView v{r, 0, 0, p.hidden / VEC, p.hidden};
+    if (p.n_inner != 1) { v.outer = r / p.n_inner; v.inner = r - v.outer * p.n_inner; }
+    if (EDGES) {   // head: up to x's row's first 16-byte boundary (every array shares x's pattern)
+        const T* xr = row_of(x, p.x, v.outer, v.inner);
+        const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
+        v.head = min((VEC - mis) & (VEC - 1), p.hidden);
+        v.n_body = (p.hidden - v.head) / VEC;
+        v.tail_start = v.head + v.n_body * VEC;
+    }
+    return v;
+}
+
+// A row's body vectors of dy and x that this thread keeps (register plans); every load is
+// issued before any is used.
+template <typename T, int VEC, int ROW_THREADS, int NV>
+__device__ __forceinline__ void load_body(const T* dy, const T* x, const BackwardParams& p, const RowView& v,
+                                          int tid, Pack<T, VEC> (&kdy)[NV], Pack<T, VEC> (&kx)[NV]) {
+    const Pack<T, VEC>* dyv = reinterpret_cast<const Pack<T, VEC>*>(row_of(dy, p.dy, v.outer, v.inner) + v.head);
+    const Pack<T, VEC>* xv = reinterpret_cast<const Pack<T, VEC>*>(row_of(x, p.x, v.outer, v.inner) + v.head);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int k = tid + i * ROW_THREADS;
+        if (k < v.n_body) { kdy[i] = dyv[k]; kx[i] = xv[k]; }
+    }
+}
+
+// dx for a block's rows, and its row of dweight partial sums (with kWeightGrad; or, when
+// the grid is one block, dweight itself: kDirectWeight).
+// Launch bounds: 1024 resident threads per SM (cupy_rmsnorm/_plan.py BACKWARD_THREADS_PER_SM),
+// i.e. at most 64 registers a thread; warp groups (the most registers) get 85, three blocks of
+// 256; rows off the 16-byte grid (EDGES) take what they need rather than spill.
+template <int ROW_THREADS, bool EDGES>
+struct BackwardMinBlocks {
+    static constexpr int value = EDGES ? 1 : ROW_THREADS > 256 ? 1024 / ROW_THREADS : ROW_THREADS == 256 ? 4 : 3;
+};
+
 template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
-__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256)
+__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, EDGES>::value)
 rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
-                         const BackwardParams p) {
+                         W* dweight, const BackwardParams p) {
     using VecT = Pack<T, VEC>;
     constexpr int GROUPS = ROW_THREADS <= 32 ? 256 / ROW_THREADS : 1;   // rows in flight per block
     constexpr int NV = THREAD_VECS > 0 ? THREAD_VECS : 1;
-    // a group's dweight sums, one float per column (hidden <= SPAN for register plans)
-    constexpr int SPAN = THREAD_VECS > 0 ? (ROW_THREADS * THREAD_VECS + 2) * VEC : 1;
+    // a group's dweight sums, one float per column, and (VEC > 1) one of padding after every
+    // VEC columns: the threads of a warp add to columns VEC apart, which would otherwise
+    // meet in a few shared-memory banks; padded, they stride VEC + 1 (odd): 32 banks
+    constexpr int PAD = THREAD_VECS > 0 && VEC > 1 ? 1 : 0;
+    constexpr int SPAN = THREAD_VECS > 0 ? (ROW_THREADS * THREAD_VECS + 2) * (VEC + PAD) : 1;
+    const auto slot = [](int j) { return PAD ? j + j / VEC : j; };
+    // block plans with one vector per thread load the next row's body while this row's sums
+    // go round the block (the barrier would otherwise leave the SM with no loads in flight);
+    // not for rows off the 16-byte grid, whose head and tail leave no registers for it
+    constexpr bool PREFETCH = THREAD_VECS == 1 && ROW_THREADS > 32 && !EDGES;
     static_assert(ROW_THREADS >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
     static_assert(THREAD_VECS > 0 || GROUPS == 1, "streamed rows get a block each");
     __shared__ float dw_sums[GROUPS * SPAN];
@@ -127,28 +179,21 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
     }
 
     wait_for_previous_kernel();                  // no global memory access before this
+    VecT kdy[NV], kx[NV];                        // the row's body, kept for the second pass
+    if (PREFETCH && begin + group < end)
+        load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, begin + group), tid, kdy, kx);
     int parity = 0;
     // every thread of the block runs the same iterations (the shuffles need whole warps)
     for (long long base = begin; base < end; base += GROUPS, parity ^= 1) {
         const long long row = base + group;
         const bool active = row < end;
-        const long long r = active ? row : begin;
-        long long outer = r, inner = 0;
-        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
-        const T* dyr = row_of(dy, p.dy, outer, inner);
-        const T* xr = row_of(x, p.x, outer, inner);
-        T* dxr = const_cast<T*>(row_of<T>(dx, p.dx, outer, inner));
-        const T* dres = add_grad ? row_of(d_residual_out, p.d_residual_out, outer, inner) : nullptr;
+        const RowView rv = row_view<T, VEC, EDGES>(x, p, active ? row : begin);
+        const T* dyr = row_of(dy, p.dy, rv.outer, rv.inner);
+        const T* xr = row_of(x, p.x, rv.outer, rv.inner);
+        T* dxr = const_cast<T*>(row_of<T>(dx, p.dx, rv.outer, rv.inner));
+        const T* dres = add_grad ? row_of(d_residual_out, p.d_residual_out, rv.outer, rv.inner) : nullptr;
+        const int head = rv.head, n_body = rv.n_body, tail_start = rv.tail_start;
 
-        // Head (up to x's row's first 16-byte boundary; every array shares x's alignment
-        // pattern, the launcher made sure), body of whole vectors, tail.
-        int head = 0, n_body = hidden / VEC, tail_start = hidden;
-        if (EDGES) {
-            const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
-            head = min((VEC - mis) & (VEC - 1), hidden);
-            n_body = (hidden - head) / VEC;
-            tail_start = head + n_body * VEC;
-        }
         const bool has_head = EDGES && active && tid < head;
         const bool has_tail = EDGES && active && tid < hidden - tail_start;
         const W* wb = w + head;
@@ -158,15 +203,11 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
 
         float ss = 0.f, sgx = 0.f;               // sum x^2, sum g * x
         float head_dy = 0.f, head_x = 0.f, tail_dy = 0.f, tail_x = 0.f, head_w = 1.f, tail_w = 1.f;
-        VecT kdy[NV], kx[NV];                    // the row's body, kept for the second pass
+        VecT ndy[NV], nx[NV];                    // PREFETCH: the next row's body
+        if (PREFETCH && row + GROUPS < end)
+            load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, row + GROUPS), tid, ndy, nx);
         if (active) {
-            if (THREAD_VECS > 0) {
-#pragma unroll
-                for (int i = 0; i < NV; ++i) {   // every load issued before the first use
-                    const int v = tid + i * ROW_THREADS;
-                    if (v < n_body) { kdy[i] = dyv[v]; kx[i] = xv[v]; }
-                }
-            }
+            if (THREAD_VECS > 0 && !PREFETCH) load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, rv, tid, kdy, kx);
             if (has_head) {
                 head_dy = to_float(dyr[tid]);
                 head_x = to_float(xr[tid]);
@@ -219,17 +260,16 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
             if (has_head) {
                 dxr[tid] = dx_of<T>(head_dy, head_x, head_w, inv_rms, c, add_grad ? to_float(dres[tid]) : 0.f);
                 if (weight_grad)
-                    sums[tid] = (first_row ? 0.f : sums[tid]) + head_dy * xhat_for_weight<T>(head_x, inv_rms, flags);
+                    sums[slot(tid)] = (first_row ? 0.f : sums[slot(tid)]) + head_dy * xhat_for_weight<T>(head_x, inv_rms, flags);
             }
             if (has_tail) {
                 const int j = tail_start + tid;
                 dxr[j] = dx_of<T>(tail_dy, tail_x, tail_w, inv_rms, c, add_grad ? to_float(dres[j]) : 0.f);
                 if (weight_grad)
-                    sums[j] = (first_row ? 0.f : sums[j]) + tail_dy * xhat_for_weight<T>(tail_x, inv_rms, flags);
+                    sums[slot(j)] = (first_row ? 0.f : sums[slot(j)]) + tail_dy * xhat_for_weight<T>(tail_x, inv_rms, flags);
             }
             VecT* dxv = reinterpret_cast<VecT*>(dxr + head);
             const VecT* dresv = reinterpret_cast<const VecT*>(dres + head);
-            float* body_sums = sums + head;
             if (THREAD_VECS > 0) {
 #pragma unroll
                 for (int i = 0; i < NV; ++i) {
@@ -243,7 +283,7 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
                     for (int e = 0; e < VEC; ++e) {
                         const float dyf = to_float(kdy[i].v[e]), xf = to_float(kx[i].v[e]);
                         o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
-                        if (weight_grad) body_sums[v * VEC + e] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                        if (weight_grad) sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
                     }
                     dxv[v] = o;
                 }
@@ -255,7 +295,7 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
                     weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
                     VecT add, o;
                     if (add_grad) add = dresv[v];
-                    float* pv = body_sums + v * VEC;
+                    float* pv = sums + head + v * VEC;
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         const float dyf = to_float(a.v[e]), xf = to_float(b.v[e]);
@@ -266,17 +306,23 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
                 }
             }
         }
+        if (PREFETCH) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) { kdy[i] = ndy[i]; kx[i] = nx[i]; }
+        }
         if (GROUPS > 1) __syncwarp();            // this row's sums before the next row's
     }
 
     if (THREAD_VECS > 0 && weight_grad) {        // the groups' sums, added in group order
         __syncthreads();
+        const bool direct = flags & kDirectWeight;
         float* block_partials = partials + (long long)blockIdx.x * hidden;
         for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
             float s = 0.f;
 #pragma unroll
-            for (int k = 0; k < GROUPS; ++k) s += dw_sums[k * SPAN + j];
-            block_partials[j] = s;
+            for (int k = 0; k < GROUPS; ++k) s += dw_sums[k * SPAN + slot(j)];
+            if (direct) dweight[j] = from_float<W>(s);
+            else block_partials[j] = s;
         }
     }
     allow_next_kernel();

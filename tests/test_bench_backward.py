@@ -21,16 +21,19 @@ def test_backward_arguments_table_and_files(tmp_path):
     b = _load("backward")
     args = b.parse_args(["--out", str(tmp_path), "--shapes", "1x4096,4096x4095", "--dtypes", "bfloat16"])
     assert args.shapes == [(1, 4096), (4096, 4095)] and args.dtypes == ["bfloat16"]
+    assert args.modes == ["graph", "cold"] and b.parse_args(["--out", "x", "--modes", "cold"]).modes == ["cold"]
+    with pytest.raises(SystemExit):
+        b.parse_args(["--out", "x", "--modes", "hot"])
     assert [tuple(s) for s in b.parse_args(["--out", "x"]).shapes] == list(b.SHAPES)
-    row = {"dtype": "bfloat16", "rows": 4096, "hidden": 4095, "phase": "backward", "bytes": 1,
+    row = {"dtype": "bfloat16", "rows": 4096, "hidden": 4095, "phase": "backward", "mode": "cold", "bytes": 1,
            "us": {"ours": 10.0, "F.rms_norm": 20.0, "torch.compile": 12.5, "liger": None, "copy": 8.0},
            "agree_dx": 1e-3, "agree_dw": 2e-3}
     text = b.table([row])
-    assert "0.800" in text and "4096x4095" in text        # ours / best peer = 10 / 12.5
+    assert "0.800" in text and "4096x4095" in text and "cold" in text        # ours / best peer = 10 / 12.5
     b.write(args, {"results": [row]})
     assert json.load(open(tmp_path / "backward.json"))["results"][0]["us"]["ours"] == 10.0
     lines = open(tmp_path / "backward.csv").read().splitlines()
-    assert lines[0].startswith("dtype,rows,hidden,phase,ours_us") and lines[1].split(",")[7] == ""   # liger absent
+    assert lines[0].startswith("dtype,rows,hidden,phase,mode,ours_us") and lines[1].split(",")[8] == ""   # liger absent
 
 
 def test_backward_without_a_gpu_says_why(tmp_path, capsys):

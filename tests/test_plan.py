@@ -616,7 +616,7 @@ def test_backward_plan_properties():
                 assert p.groups_per_block == (256 // g if g <= 32 else 1), ctx
                 if p.variant == "registers":
                     assert 1 <= p.vecs_per_thread <= 2 and g * p.vecs_per_thread >= n, ctx
-                    span = (g * p.vecs_per_thread + 2) * vec      # the kernel's SPAN >= hidden
+                    span = (g * p.vecs_per_thread + 2) * (vec + (vec > 1))    # the kernel's SPAN (padded)
                     assert span >= hidden and p.groups_per_block * span * 4 <= STATIC_SHARED_BYTES, ctx
                 else:
                     assert p.vecs_per_thread == 0 and p.groups_per_block == 1, ctx
@@ -626,3 +626,11 @@ def test_backward_plan_properties():
                 assert p.grid * p.rows_per_block >= rows and (p.grid - 1) * p.rows_per_block < max(rows, 1), ctx
                 per_sm = max(1, min(1024 // p.block, occupancy or 1024))
                 assert p.grid <= sms * per_sm, ctx
+
+
+def test_backward_plan_refuses_a_geometry_that_misses_part_of_the_row():
+    # 1024 threads x 1 vector of 1 element cover 1024 of 4096 elements (a forced geometry
+    # meeting the scalar path): refused, not launched
+    with pytest.raises(ValueError, match="do not cover a row of 4096"):
+        rn.backward_plan(10, 4096, 4, 1, 132, threads_per_row=1024, vecs_per_thread=1)
+    assert rn.backward_plan(10, 4096, 4, 4, 132, threads_per_row=1024, vecs_per_thread=1).grid >= 1
