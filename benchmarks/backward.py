@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="timed graph replays per measurement")
     p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new shape past this")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="write backward.md and the charts of a saved backward.json to --out, and stop")
     p.add_argument("--modes", default="graph,cold",
                    help="graph (replays of a CUDA graph of many calls) and/or cold (one call after an L2 flush)")
     args = p.parse_args(argv)
@@ -139,6 +141,49 @@ def table(rows):
     return "\n".join(lines)
 
 
+def write_report(out, payload):
+    """backward.md (the table per mode, with the run's device and versions) and, with
+    matplotlib, backward_<mode>.png: each implementation's GPU time over the copy floor's,
+    per shape and dtype (1.0 = the speed of a device copy of the same bytes)."""
+    results = payload["results"]
+    modes = [m for m in ("graph", "cold") if any(r.get("mode", "graph") == m for r in results)]
+    device = payload.get("device", {})
+    lines = [f"# Backward: {device.get('gpu', '?')}, copy bandwidth {payload.get('copy_bandwidth_gbps', 0):.0f} GB/s",
+             "", f"versions: {payload.get('versions', {})}", ""]
+    for mode in modes:
+        lines += [f"## {mode} (GPU microseconds per call, medians)", "", "```",
+                  table([r for r in results if r.get("mode", "graph") == mode]), "```", ""]
+    for k, v in payload.get("skipped", {}).items():
+        lines.append(f"- skipped {k}: {v}")
+    with open(os.path.join(out, "backward.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    for mode in modes:
+        rows = [r for r in results if r.get("mode", "graph") == mode and r["us"].get("copy")]
+        phases = [p for p in PHASES if any(r["phase"] == p for r in rows)]
+        fig = Figure(figsize=(11, 3.6 * len(phases)), layout="constrained")
+        axes = fig.subplots(len(phases), 1, squeeze=False)
+        impls = [i for i in IMPLS if i != "copy"]
+        for ax, phase in zip(axes[:, 0], phases):
+            sel = [r for r in rows if r["phase"] == phase]
+            labels = [f"{r['rows']}x{r['hidden']}\n{r['dtype']}" for r in sel]
+            width = 0.8 / len(impls)
+            for k, impl in enumerate(impls):
+                vals = [(r["us"][impl] / r["us"]["copy"]) if r["us"].get(impl) else 0 for r in sel]
+                ax.bar([i + (k - (len(impls) - 1) / 2) * width for i in range(len(sel))], vals, width, label=impl)
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="copy of the same bytes")
+            ax.set_xticks(range(len(sel)))
+            ax.set_xticklabels(labels, fontsize=7)
+            ax.set_ylabel("time / copy time")
+            ax.set_title(f"{phase}, {mode}", fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0][0].legend(fontsize=7, ncol=5)
+        fig.savefig(os.path.join(out, f"backward_{mode}.png"), dpi=110)
+
+
 def write(args, payload):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "backward.json"), "w") as f:
@@ -154,6 +199,10 @@ def write(args, payload):
 def main(argv=None):
     global torch
     args = parse_args(argv)
+    if args.report:                       # a saved run's markdown and charts, no GPU needed
+        with open(args.report) as f:
+            write_report(args.out, json.load(f))
+        return 0
     from cupy_rmsnorm.bench import peers, timing
     why = timing.gpu_missing() or peers.torch_missing()
     if why:
@@ -209,6 +258,7 @@ def main(argv=None):
         write(args, payload)
     payload["elapsed_s"] = time.perf_counter() - start
     write(args, payload)
+    write_report(args.out, payload)
     print("\nGPU microseconds per call (graph: CUDA graph replay; cold: one call after an L2 flush; medians):")
     print(table(payload["results"]))
     for k, v in payload["skipped"].items():
