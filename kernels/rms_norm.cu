@@ -219,10 +219,11 @@ constexpr int kGroupSize = 128;       // kPerGroup: elements per scale
 constexpr float kMinScaleDivisor = 512.0f;   // dynamic scales >= 1 / (QMAX * 512): zeros stay zeros
 
 // The kernel arguments of the dynamic forms beyond Params: scales of (row, group) live at
-// row * scales_row + group * scales_group (in floats; row counts every row of x, linearly).
+// row * scales_row + group * scales_group (in floats; row counts every row of x, linearly);
+// amax is clamped to scale_ub first (+inf: no bound).
 struct QuantParams {
     long long scales_row, scales_group;
-    float scale_ub;                    // amax is clamped to this first (+inf: no bound)
+    float scale_ub;
     int pad;
 };
 static_assert(sizeof(QuantParams) == 24, "QuantParams: 24 bytes, as cupy_rmsnorm/_launcher.py packs it");
