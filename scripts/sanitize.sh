@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs tests/sanitize_grid.py (the forward), tests/sanitize_backward_grid.py (the backward)
-# and tests/sanitize_quant_grid.py (the quantized forms) under compute-sanitizer's memcheck, racecheck and initcheck and prints one
-# summary line per tool and grid; exits non-zero if any tool or grid failed.
+# and tests/sanitize_quant_grid.py (the quantized forms) under compute-sanitizer's memcheck,
+# racecheck and initcheck and prints one summary line per tool and grid; exits non-zero if
+# any tool or grid failed.
 #
 #     scripts/sanitize.sh                 # from anywhere; needs a GPU and compute-sanitizer
 #     SANITIZE_LOG_DIR=dir scripts/sanitize.sh   # keep the full logs there (default: a temp dir)
