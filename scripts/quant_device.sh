@@ -6,12 +6,12 @@
 # each writing its log to OUTDIR as it goes, each step going on when one before failed:
 #   0. (in the background, from the start) nvcc builds benchmarks/flashinfer_quant.cu
 #   1. GPU tests (pytest -n 8): the quantized forms (with their CPU tests: another torch here),
-#      then tests/test_gpu_grid.py, while
-#   2. compute-sanitizer memcheck and racecheck of tests/sanitize_quant_grid.py run beside it,
+#      then tests/test_gpu_grid.py with the time left but 85 s, while
+#   2. compute-sanitizer memcheck and racecheck of tests/sanitize_quant_grid.py run beside them,
 #      and so does a compile-only pass of the benchmark (torch.compile and NVRTC caches)
 #   3. benchmarks/quant.py (ours, FlashInfer, torch.compile, copy floor) with the time left
-# then a short summary. TOTAL_S (default 345) bounds the whole; QUANT_TESTS_S, GRID_TESTS_S and
-# SANITIZE_S the steps.
+# then a short summary. TOTAL_S (default 345) bounds the whole; QUANT_TESTS_S, SANITIZE_S and
+# WARM_S the steps.
 set -uo pipefail
 out=${1:?usage: bash scripts/quant_device.sh OUTDIR}
 mkdir -p "$out"
@@ -37,23 +37,29 @@ else
   echo "== 0. no FlashInfer peer: nvcc=${NVCC:-not found}, headers $( [ -d .flashinfer ] && echo present || echo 'missing (carry .flashinfer)')"
 fi
 
+# The sanitizer (one process, mostly CPU-side instrumentation) and a compile-only pass of the
+# benchmark (its kernels into torch.compile's and CuPy's on-disk caches, so that step 3 only
+# times) run beside the tests.
+echo "== 2. sanitizer and the benchmark's compiles, in the background ($SECONDS s)"
+( SANITIZE_GRIDS=sanitize_quant_grid SANITIZE_TOOLS="memcheck racecheck" SANITIZE_LOG_DIR="$out/sanitize" \
+    timeout -k 10 "${SANITIZE_S:-200}" bash scripts/sanitize.sh ) >"$out/sanitize.log" 2>&1 &
+sanitize_pid=$!
+timeout -k 10 "${WARM_S:-200}" python3 benchmarks/quant.py --out "$out" --warm-only >"$out/quant_warm.log" 2>&1 &
+warm_pid=$!
+
 echo "== 1. quant tests ($SECONDS s)"
-timeout -k 10 "${QUANT_TESTS_S:-100}" python3 -m pytest -q -n 8 -rs -p no:cacheprovider --durations=10 \
+timeout -k 10 "${QUANT_TESTS_S:-150}" python3 -m pytest -v -n 8 -rs -p no:cacheprovider --durations=10 \
   tests/test_gpu_quant.py tests/test_torch_ops_quant.py tests/test_reference_quant.py \
   tests/test_bad_inputs_quant.py tests/test_plan_quant.py tests/test_kernel_abi.py 2>&1 \
   | tee "$out/tests.log" | grep -v "PASSED" | tail -40
-
-# The sanitizer (one process, mostly CPU-side instrumentation) runs beside the grid tests, and so
-# do the benchmark's compiles (torch.compile's and CuPy's on-disk caches), so that step 3 times.
-echo "== 2. sanitizer and benchmark compiles, in the background ($SECONDS s)"
-( SANITIZE_GRIDS=sanitize_quant_grid SANITIZE_TOOLS="memcheck racecheck" SANITIZE_LOG_DIR="$out/sanitize" \
-    timeout -k 10 "${SANITIZE_S:-150}" bash scripts/sanitize.sh ) >"$out/sanitize.log" 2>&1 &
-sanitize_pid=$!
-timeout -k 10 "${WARM_S:-150}" python3 benchmarks/quant.py --out "$out" --warm-only >"$out/quant_warm.log" 2>&1 &
-warm_pid=$!
-echo "== 1b. tests/test_gpu_grid.py ($SECONDS s)"
-timeout -k 10 "${GRID_TESTS_S:-150}" python3 -m pytest -q -n 8 -rs -p no:cacheprovider tests/test_gpu_grid.py 2>&1 \
-  | tee "$out/grid_tests.log" | grep -v "PASSED" | tail -15
+left=$(( TOTAL_S - 85 - SECONDS ))     # what the grid tests may take, keeping 85 s for the benchmark
+echo "== 1b. tests/test_gpu_grid.py ($SECONDS s; limit ${left} s)"
+if [ "$left" -gt 20 ]; then
+  timeout -k 10 "$left" python3 -m pytest -q -n 8 -rs -p no:cacheprovider tests/test_gpu_grid.py 2>&1 \
+    | tee "$out/grid_tests.log" | grep -v "PASSED" | tail -15
+else
+  echo "no time left for the grid tests" | tee "$out/grid_tests.log"
+fi
 wait "$sanitize_pid"
 echo "== 2. sanitizer done ($SECONDS s)"
 tail -12 "$out/sanitize.log"

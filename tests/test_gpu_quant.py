@@ -42,13 +42,14 @@ pytestmark = [requires_gpu, pytest.mark.usefixtures("free_gpu_memory")]
 OPS = ("rms_norm_quant", "fused_add_rms_norm_quant")
 FORMS = ("static", "per_token", "per_group")
 QUANT = ("float8_e4m3fn", "float8_e5m2", "int8")
-HIDDEN = {"static": (1, 7, 255, 4095, 4096, 33001), "per_token": (1, 7, 255, 4095, 4096, 33001),
+# warp groups (tail only, head and tail), blocks (both widths), streamed rows or clusters
+HIDDEN = {"static": (1, 7, 4095, 4096, 33001), "per_token": (1, 7, 4095, 4096, 33001),
           "per_group": (128, 384, 4096, 7168, 65536)}
 ROWS = (1, 300)
 LAYOUTS = ("2d", "3d", "strided", "offset", "heads")
 LEAD = {"2d": 1, "3d": 2, "strided": 1, "offset": 1, "heads": 2}
-MAX_ELEMENTS = 2 ** 24
-BIG_ELEMENTS = 2 ** 22        # past this, two layouts per shape (rotating)
+MAX_ELEMENTS = 2 ** 22        # rows are capped to this many elements per array
+BIG_ELEMENTS = 2 ** 20        # past this, two layouts per shape (rotating)
 FLOAT32_REL = 2.0 ** -19      # scales: a few float32 ulps
 NEAR_TIE = 2.0 ** -17         # y * inv this close (relative) to a rounding boundary: either side
 MAX_NEAR_TIES = 1e-3          # of the bytes
@@ -349,6 +350,19 @@ def test_quant_dtypes(form, quant_dtype):
                           _seed("dtypes", op, form, quant_dtype, hidden, given))
                 if msg:
                     failures.append(f"{op} {hidden=} {rows=} {layout} given={given}: {msg}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_streamed_rows(form):
+    """Rows too long for registers among many rows (the streamed plans), both ops, exact rows."""
+    failures = []
+    for op in OPS:
+        for layout in ("2d", "offset"):
+            msg = run(op, "bfloat16", form, "float8_e4m3fn", 33024, 260, layout, "fp32", "float32", 0.0,
+                      layout == "offset", True, _seed("streamed", op, form, layout))
+            if msg:
+                failures.append(f"{op} {layout}: {msg}")
     assert not failures, "\n".join(failures)
 
 
