@@ -444,6 +444,7 @@ def test_torch_outputs_are_fp8_tensors_zero_copy_on_the_current_stream():
     out = torch.empty(64, 4096, dtype=torch.float8_e4m3fn, device="cuda")
     scales_out = torch.empty(64, 1, device="cuda")
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())        # the inputs were made on the default stream
     with torch.cuda.stream(side):
         q, s = rn.rms_norm_quant(x, w, out=out, scales_out=scales_out)
     side.synchronize()
