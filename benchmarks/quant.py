@@ -36,8 +36,10 @@ CASES = ("static", "per_token", "per_group", "fused static", "fused per_token", 
 IMPLS = ("ours", "flashinfer", "torch.compile", "copy")
 PEERS = ("flashinfer", "torch.compile")
 EPS = 1e-6
-FP8_MAX = 448.0
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+from cupy_rmsnorm._reference import min_scale, quant_max  # noqa: E402 - the contract's constants
+
+FP8_MAX = quant_max("float8_e4m3fn")
+MIN_SCALE = float(min_scale("float8_e4m3fn"))
 GROUP = 128
 
 
