@@ -27,7 +27,9 @@ SCHEMAS = {
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_schema(name):
-    assert str(getattr(OPS, name).default._schema) == SCHEMAS[name]
+    # an int annotation reads SymInt in newer torch, int in older
+    assert str(getattr(OPS, name).default._schema).replace("int? group_size", "SymInt? group_size") \
+        .replace("SymSymInt", "SymInt") == SCHEMAS[name]
 
 
 def test_fake_outputs():
