@@ -3,17 +3,21 @@
     import cupy_rmsnorm as rn
     y = rn.rms_norm(x, weight)
     y, residual = rn.fused_add_rms_norm(x, residual, weight)
+    q, scales = rn.rms_norm_quant(x, weight)                       # FP8 e4m3fn, a scale per token
     dx, dweight = rn.rms_norm_backward(dy, x, weight)
     d_input, dweight = rn.fused_add_rms_norm_backward(dy, d_residual_out, residual_out, weight)
 """
 
-from ._api import fused_add_rms_norm, fused_add_rms_norm_backward, rms_norm, rms_norm_backward
+from ._api import (fused_add_rms_norm, fused_add_rms_norm_backward, fused_add_rms_norm_quant, rms_norm,
+                   rms_norm_backward, rms_norm_quant)
 from ._plan import BackwardPlan, LaunchPlan, backward_plan, launch_plan
-from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_reference,
-                         rms_norm_backward_reference, rms_norm_reference)
+from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_quant_reference,
+                         fused_add_rms_norm_reference, rms_norm_backward_reference, rms_norm_quant_reference,
+                         rms_norm_reference)
 
 __version__ = "0.1.0"
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_backward", "fused_add_rms_norm_backward",
+           "rms_norm_quant", "fused_add_rms_norm_quant", "rms_norm_quant_reference", "fused_add_rms_norm_quant_reference",
            "LaunchPlan", "launch_plan", "BackwardPlan", "backward_plan",
            "rms_norm_reference", "fused_add_rms_norm_reference",
            "rms_norm_backward_reference", "fused_add_rms_norm_backward_reference", "__version__"]

@@ -1,4 +1,4 @@
-"""The two public ops and the flow of one call:
+"""The public ops and the flow of one call:
 
 caller's arrays -> interop (kind, device, stream) -> validation (dtype, shape, layout,
 overlap; nothing launched or written on error) -> launch plan -> kernel cache ->
@@ -9,9 +9,11 @@ import sys
 
 from . import _interop, _launcher, _validate
 from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
-from ._layout import OUT, OUTPUTS, RESIDUAL_OUT, Arrays, BackwardArrays, backward_layout, call_layout
-from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_reference,
-                         rms_norm_backward_reference, rms_norm_reference)
+from ._layout import (OUT, OUTPUTS, QUANT_NAMES, RESIDUAL_OUT, SCALE, SCALES, Arrays, BackwardArrays, QuantArrays,
+                      backward_layout, call_layout, new_scales, quant_layout)
+from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_quant_reference,
+                         fused_add_rms_norm_reference, rms_norm_backward_reference, rms_norm_quant_reference,
+                         rms_norm_reference)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, out=None, weight_offset=0.0, casting_mode="fp32"):
@@ -57,6 +59,65 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, out=None, residual
         ``(out, residual_out)``.
     """
     return _call(True, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
+
+
+def rms_norm_quant(x, weight=None, eps=1e-6, *, scale=None, group_size=None, out=None, scales_out=None,
+                   scale_ub=None, quant_dtype="float8_e4m3fn", weight_offset=0.0, casting_mode="fp32"):
+    """RMSNorm with its output quantized (FP8 or int8) in the same pass.
+
+    ``y = x / sqrt(mean(x**2) + eps) * (weight + weight_offset)``, in float32 as ``rms_norm``
+    computes it before its final rounding (``casting_mode="llama"``: x * inv_rms rounded to
+    x's dtype first), then ``q = sat(round(y * (1 / s)))``: round to nearest even, saturating
+    at the quant dtype's largest value QMAX (448 for float8_e4m3fn, 57344 for float8_e5m2,
+    127 for int8); NaN stays NaN (int8: 0). The scale s is
+
+    - ``scale`` given (static): that float32 (one element, in device memory: it may change
+      between CUDA-graph replays);
+    - else per token: ``max(min(amax, scale_ub) / QMAX, 1 / (QMAX * 512))``, amax the row's
+      max |y| (NaN ignored); an all-zero row gives zeros;
+    - ``group_size=128``: the same per 128 consecutive elements of a row (hidden a multiple
+      of 128), for block-scaled FP8 GEMMs (DeepSeek-style, DeepGEMM, FlashInfer).
+
+    Args:
+        x, weight, eps, weight_offset, casting_mode: as in ``rms_norm``.
+        scale: the static form's float32 scale (one element), an array of x's kind.
+        group_size: None (one scale per row) or 128.
+        out: optional destination of x's shape: the quant dtype, or uint8 for the FP8 bytes.
+            Overwritten.
+        scales_out: optional float32 destination of the scales' shape (dynamic forms; its
+            leading axes at one stride from row to row). Overwritten.
+        scale_ub: optional upper bound on amax (vLLM's), a positive float.
+        quant_dtype: ``"float8_e4m3fn"`` (default), ``"float8_e5m2"`` or ``"int8"`` (or the
+            torch / ml_dtypes dtype of that name).
+
+    Returns:
+        ``(q, scales)``: q of x's shape (torch: a torch.float8_e4m3fn / float8_e5m2 / int8
+        tensor; CuPy, which has no FP8 dtype: uint8 holding the FP8 bits; NumPy: ml_dtypes);
+        scales float32: the given ``scale`` (static), x.shape[:-1] + (1,) (per token,
+        contiguous) or x.shape[:-1] + (hidden // 128,) (per group; fresh ones column-major
+        with each column padded to a multiple of 4 rows: element (r, g) at g * round_up(rows,
+        4) + r, the layout DeepGEMM and FlashInfer's block-scaled GEMMs read). Dequantize
+        with ``q.astype(float32) * scales`` (per group: broadcast over each group).
+    """
+    return _quant_call(False, (x, None, weight, out, None, scale, scales_out), eps, weight_offset, casting_mode,
+                       group_size, scale_ub, quant_dtype)
+
+
+def fused_add_rms_norm_quant(x, residual, weight=None, eps=1e-6, *, scale=None, group_size=None, out=None,
+                             residual_out=None, scales_out=None, scale_ub=None, quant_dtype="float8_e4m3fn",
+                             weight_offset=0.0, casting_mode="fp32"):
+    """Residual add, RMSNorm and quantization in one pass.
+
+    ``residual_out = round(x + residual)`` (to x's dtype), then ``rms_norm_quant(residual_out,
+    ...)``. ``residual_out=residual`` updates the residual in place (vLLM's
+    ``fused_add_rms_norm_static_fp8_quant``; overwritten). Other arguments as in
+    ``rms_norm_quant``.
+
+    Returns:
+        ``(q, residual_out, scales)``.
+    """
+    return _quant_call(True, (x, residual, weight, out, residual_out, scale, scales_out), eps, weight_offset,
+                       casting_mode, group_size, scale_ub, quant_dtype)
 
 
 def rms_norm_backward(dy, x, weight=None, eps=1e-6, *, weight_offset=0.0, casting_mode="fp32"):
@@ -210,6 +271,55 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
     return launcher(arrays, checked=True)
 
 
+def _quant_call(fused, arrays, eps, weight_offset, casting_mode, group_size, scale_ub, quant_dtype):
+    """``arrays``: the seven in ``QuantArrays`` order, as a plain tuple (see _call)."""
+    if _compiling is not None and _compiling():
+        return sys.modules["cupy_rmsnorm._torch_ops"].call_quant(fused, arrays, eps, weight_offset, casting_mode,
+                                                                 group_size, scale_ub, quant_dtype)
+    quant = (group_size, scale_ub, quant_dtype)
+    signature = _interop.quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant)
+    launcher = _launcher.lookup(signature)
+    if launcher is not None:
+        result = launcher(arrays)
+        if result is not None:
+            return result
+    return _full_quant_call(fused, arrays, eps, weight_offset, casting_mode, quant, signature)
+
+
+def _full_quant_call(fused, arrays, eps, weight_offset, casting_mode, quant, signature):
+    """Validate everything, then run (and remember a QuantLauncher for the signature)."""
+    arrays = QuantArrays._make(arrays)
+    if fused and arrays.residual is None:
+        raise TypeError("residual must be an array of x's shape and dtype, got None")
+    scalars = _validate.check_scalars(eps, weight_offset, casting_mode, arrays.weight is not None)
+    spec = _validate.check_quant(arrays.scale is not None, *quant)
+    kind = _interop.kind_of(arrays.x, "x")
+    for name, a in zip(QUANT_NAMES[1:], arrays[1:]):
+        if a is not None and _interop.kind_of(a, name) is not kind:
+            raise TypeError(f"{name} must be the same kind of array as x ({kind.name}), "
+                            f"got {type(a).__module__}.{type(a).__name__}")
+    if kind is not NumpyKind:
+        _interop.require_cupy()
+    if kind is DlpackKind:
+        arrays = QuantArrays(*(None if a is None else kind.to_cupy(a, n) for n, a in zip(QUANT_NAMES, arrays)))
+        kind, signature = CupyKind, None
+    resolved = arrays
+    if kind is TorchKind:
+        register_torch_ops()
+        _check_torch(arrays, QUANT_NAMES, (OUT, RESIDUAL_OUT, SCALES))
+        resolved = QuantArrays(*(None if a is None else kind.resolve(a, n) for n, a in zip(QUANT_NAMES, arrays)))
+    metas = QuantArrays(*(None if a is None else kind.meta(a) for a in resolved))
+    _validate.check_quant_arrays(Arrays(*metas[:5]), metas[SCALE], metas[SCALES], spec)
+    copied = any(a is not b for a, b in zip(arrays, resolved))
+    arrays, layout = quant_layout(kind, fused, resolved, metas, spec.form, spec.scales_shape(metas.x.shape), copied)
+    if kind is NumpyKind:
+        return _run_numpy_quant(arrays, scalars, spec, layout, fused)
+    launcher = _launcher.QuantLauncher(layout, scalars, kind, spec)
+    if signature is not None and not layout.call.copied:
+        _launcher.remember(signature, launcher)
+    return launcher(arrays, checked=True)
+
+
 def _check_torch(arrays, names, outputs=()):
     """Torch tensors must be on a CUDA device; outputs must be plain memory."""
     import torch
@@ -256,8 +366,33 @@ def _run_numpy(arrays, scalars, fused):
 def _store(dest, value):
     if dest is None:
         return value
-    dest[...] = value
+    # quantized bytes into a uint8 out: the bits, not the values
+    (dest if dest.dtype == value.dtype else dest.view(value.dtype))[...] = value
     return dest
+
+
+def _run_numpy_quant(arrays, scalars, spec, layout, fused):
+    """The reference on the CPU, stored into the given outputs (fresh scales in the GPU's layout)."""
+    import numpy as np
+    args = (scalars.eps, scalars.weight_offset, scalars.casting_mode)
+    quant = dict(scale=arrays.scale, group_size=spec.group_size, quant_dtype=spec.quant_dtype,
+                 scale_ub=None if spec.scale_ub == float("inf") else spec.scale_ub)
+    if fused:
+        q, summed, scales = fused_add_rms_norm_quant_reference(arrays.x, arrays.residual, arrays.weight, *args,
+                                                               **quant)
+    else:
+        q, scales = rms_norm_quant_reference(arrays.x, arrays.weight, *args, **quant)
+    q = _store(arrays.out, q)
+    if spec.form == "static":
+        scales = arrays.scale
+    else:
+        dest = arrays.scales
+        if dest is None:
+            dest = new_scales(lambda shape: np.empty(shape, np.float32), spec.form, layout.scales_shape)
+        scales = _store(dest, scales)
+    if fused:
+        return q, _store(arrays.residual_out, summed), scales
+    return q, scales
 
 
 if sys.modules.get("torch") is not None:   # torch is in use: tracing must find the ops from the start

@@ -16,6 +16,10 @@ import os
 import threading
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+# kernels/rms_norm.cu: enum QuantForm and enum QuantType, the quantized kernels' FORM and QTYPE
+# (a CPU test reads both sides)
+QUANT_FORMS = {"static": 1, "per_token": 2, "per_group": 3}
+QUANT_TYPES = {"float8_e4m3fn": 0, "float8_e5m2": 1, "int8": 2}
 NVRTC_OPTIONS = ("--std=c++17",)
 _HEADER = "cuda_bf16.h"
 
@@ -47,6 +51,15 @@ def instantiation_name(dtype, weight_dtype, fused, plan):
     args = ", ".join(str(a) for a in plan.template_args())
     kernel = "rms_norm_cluster_kernel" if plan.cluster > 1 else "rms_norm_kernel"
     return f"rmsnorm::{kernel}<{t}, {w}, {'true' if fused else 'false'}, {args}>"
+
+
+def quant_instantiation_name(dtype, weight_dtype, fused, plan, form, quant_dtype):
+    """The name expression of the quantized kernel (``form`` a QUANT_FORMS key, ``quant_dtype`` a
+    QUANT_TYPES key) a LaunchPlan needs."""
+    args = ", ".join(str(a) for a in plan.template_args())
+    kernel = "rms_norm_quant_cluster_kernel" if plan.cluster > 1 else "rms_norm_quant_kernel"
+    return (f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, "
+            f"{'true' if fused else 'false'}, {args}, {QUANT_FORMS[form]}, {QUANT_TYPES[quant_dtype]}>")
 
 
 def backward_instantiation_name(dtype, weight_dtype, plan):

@@ -95,6 +95,11 @@ class CupyKind(_PlainKind):
         return _cupy().zeros(a.shape, dtype=a.dtype)
 
     @staticmethod
+    def quant_storage(quant_dtype):
+        """The dtype of a fresh quantized output: CuPy has no FP8 dtype, so FP8 bytes come as uint8."""
+        return "int8" if quant_dtype == "int8" else "uint8"
+
+    @staticmethod
     def grad_enabled():
         return False
 
@@ -186,6 +191,11 @@ class TorchKind:
     @staticmethod
     def zeros_like(t):
         return sys.modules["torch"].zeros(t.shape, dtype=t.dtype, device=t.device)
+
+    @staticmethod
+    def quant_storage(quant_dtype):
+        """The dtype of a fresh quantized output: torch's own (torch.float8_e4m3fn, ...)."""
+        return quant_dtype
 
     @staticmethod
     def requires_grad(t):
@@ -330,3 +340,25 @@ def signature(fused, arrays, eps, weight_offset, casting_mode):
         else:
             return None
     return sig(fused, arrays, eps, weight_offset, casting_mode)
+
+
+def _extra_key(a):
+    """The signature part of an array beyond the five (a quantized call's scale and scales_out)."""
+    if a is None:
+        return None
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and type(a) is cupy.ndarray:
+        return _cupy_key(a)
+    return _torch_output_key(a)     # anything else but a tensor fails an attribute here
+
+
+def quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant):
+    """``signature`` of a quantized call: ``arrays`` the seven of QuantArrays (x, residual, weight,
+    out, residual_out, scale, scales_out), ``quant`` its (group_size, scale_ub, quant_dtype)."""
+    sig = signature(fused, arrays[:5], eps, weight_offset, casting_mode)
+    if sig is None:
+        return None
+    try:
+        return sig, quant, _extra_key(arrays[5]), _extra_key(arrays[6])
+    except (AttributeError, TypeError, RuntimeError):
+        return None

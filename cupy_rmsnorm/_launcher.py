@@ -24,8 +24,9 @@ import threading
 import numpy as np
 
 from . import _driver
-from ._compile import backward_instantiation_name, instantiation_name, kernel_cache, reduce_instantiation_name
-from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, WEIGHT, X
+from ._compile import (backward_instantiation_name, instantiation_name, kernel_cache, quant_instantiation_name,
+                       reduce_instantiation_name)
+from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, SCALE, SCALES, WEIGHT, X, new_scales
 from ._plan import backward_plan, early_trigger, launch_plan, vector_width_from_bits
 
 # kernels/rms_norm.cu: enum Flags and struct Params (eight-byte fields first, no padding;
@@ -100,6 +101,8 @@ def forced_plan(record=None, **overrides):
 class Launcher:
     """Launches one call signature; see the module docstring."""
 
+    quant_form = None      # QuantLauncher: the quantized form its plans are made for
+
     def __init__(self, layout, scalars, kind):
         self.kind, self.layout, self.fused = kind, layout, layout.fused
         self.device = _driver.device(layout.device)
@@ -166,7 +169,7 @@ class Launcher:
         if entry is None:
             d = self.device
             plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, self.fused,
-                               edges=edges, max_cluster=d.max_cluster, **_plan_overrides)
+                               edges=edges, max_cluster=d.max_cluster, quant=self.quant_form, **_plan_overrides)
             if _plan_record is not None:
                 _plan_record.append(plan)
             entry = self._by_vec[(vec, edges)] = (plan, self.function(plan))
@@ -196,10 +199,14 @@ class Launcher:
         plan, fn = self.plan_and_function(vec, self.edges(vec, px))
         params = self.params.copy()
         params["flags"] = self.plan_flags(plan, fn)
-        argv = np.array([self._slots_base + 8 * i for i in range(5)] + [params.ctypes.data], np.uint64)
+        argv = np.array(self._kernel_args(params), np.uint64)
         kernel = _driver.KernelLaunch(fn.ptr, plan.grid_dims(), plan.block)
         # the arrays live as long as the entry: the driver reads them at each launch
         return kernel, ctypes.c_void_p(argv.ctypes.data), (params, argv)
+
+    def _kernel_args(self, params):
+        """The kernelParams addresses: the pointer slots, then Params."""
+        return [self._slots_base + 8 * i for i in range(len(self._slots) // 8)] + [params.ctypes.data]
 
     def __call__(self, arrays, checked=False):
         """Launch on ``arrays`` (the five in ``Arrays`` order, None where absent).
@@ -259,6 +266,124 @@ class Launcher:
         stream = self._stream(self._device_index)
         with self._lock:
             _pack_pointers(self._slots, 0, *slots)
+            _driver.launch(self.device, kernel, stream, argv)
+        return result
+
+
+# -- quantized forms ---------------------------------------------------------------------------
+# kernels/rms_norm.cu: struct QuantParams (the kernel asserts the size, a CPU test reads both sides)
+QUANT_PARAMS_BYTES = 24
+QUANT_PARAMS_DTYPE = np.dtype([("scales_row", "<i8"), ("scales_group", "<i8"), ("scale_ub", "<f4"),
+                               ("pad", "<i4")])
+assert QUANT_PARAMS_DTYPE.itemsize == QUANT_PARAMS_BYTES
+# the quantized kernel's pointer arguments: x, residual, q, residual_out, weight, scale, scales
+_QSLOT = {**_SLOT, SCALE: 5, SCALES: 6}
+_pack_quant_pointers = struct.Struct("<7Q").pack_into
+
+
+class QuantLauncher(Launcher):
+    """Launches one signature of a quantized call (rms_norm_quant_kernel): a Launcher whose out
+    is q (one byte an element, of x's row layout), with the static scale and the scales as two
+    more pointers and QuantParams after Params. Called with the seven of QuantArrays."""
+
+    def __init__(self, layout, scalars, kind, spec):
+        super().__init__(layout.call, scalars, kind)
+        self.quant, self.spec, self.quant_form = layout, spec, spec.form
+        self.grad_check = False             # no autograd: the outputs are not differentiable
+        self.inference_check = self.inference_check or layout.inference_scales
+        # q's bytes are checked against x's elements (in _run); the others are x's dtype
+        self.other_slots = tuple((k, _SLOT[k]) for k in ((RESIDUAL, RESIDUAL_OUT) if self.fused else ()))
+        self.aligned_slots = ((WEIGHT, 4, self.layout.weight_itemsize), (SCALE, 5, 4), (SCALES, 6, 4))
+        self.group = spec.form == "per_group"
+        self.static = spec.form == "static"
+        self.fresh_scales = not self.static and layout.scales_extent is None
+        qp = np.zeros(1, QUANT_PARAMS_DTYPE)
+        (qp["scales_row"], qp["scales_group"]), qp["scale_ub"] = layout.scales_strides, spec.scale_ub
+        self.quant_params = qp
+        self._slots = bytearray(8 * 7)
+        self._slots_base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
+        shape, q_dtype = layout.call.shape, kind.quant_storage(spec.quant_dtype)
+        self._new_q = lambda x: kind.empty_of(x, shape, q_dtype)
+        self._new_scales = lambda x: new_scales(lambda s: kind.empty_of(x, s, "float32"), layout.form,
+                                                layout.scales_shape)
+        self._overlap_pairs = self._quant_pairs(layout)
+
+    @staticmethod
+    def _quant_pairs(layout):
+        """As _pairs_to_keep_apart, over the seven arrays (slots in _QSLOT order): each given
+        output against the inputs present and the given outputs before it."""
+        call = layout.call
+        ext = list(call.extents) + [layout.scale_extent, layout.scales_extent]
+        st = call.row_strides
+        given = list(call.given_outputs) + ([SCALES] if layout.scales_extent is not None else [])
+        inputs = [k for k in (X, RESIDUAL, WEIGHT, SCALE) if ext[k] is not None]
+        pairs = []
+        for n, o in enumerate(given):
+            for k in inputs + given[:n]:
+                same_ok = o == RESIDUAL_OUT and k in (X, RESIDUAL) and st[o] == st[k]
+                pairs.append((_QSLOT[o], ext[o][0], ext[o][1], _QSLOT[k], ext[k][0], ext[k][1], same_ok))
+        return tuple(pairs)
+
+    def function(self, plan):
+        name = quant_instantiation_name(self.layout.dtype, self.layout.weight_dtype, self.fused, plan,
+                                        self.spec.form, self.spec.quant_dtype)
+        return kernel_cache.get(self.device.index, name)
+
+    def _kernel_args(self, params):
+        return super()._kernel_args(params) + [self.quant_params.ctypes.data]
+
+    def _run(self, arrays, checked):
+        ptr, itemsize = self._ptr, self.itemsize
+        slots = [0] * 7                                   # the kernel's pointers, in _QSLOT order
+        x = arrays[X]
+        slots[0] = px = ptr(x)
+        bits, misaligned = self.stride_bits, px % itemsize
+        for k, i in self.other_slots:
+            a = arrays[k]
+            if a is not None:
+                p = slots[i] = ptr(a)
+                bits |= p - px
+                misaligned |= p % itemsize
+        for k, i, size in self.aligned_slots:
+            a = arrays[k]
+            if a is not None:
+                p = slots[i] = ptr(a)
+                misaligned |= p % size
+        if misaligned:
+            return None
+        q = arrays[OUT]
+        if q is not None:
+            slots[2] = ptr(q)
+        if not checked:
+            for a, alo, ahi, b, blo, bhi, same_ok in self._overlap_pairs:
+                pa, pb = slots[a], slots[b]
+                if pa + alo < pb + bhi and pb + blo < pa + ahi and not (same_ok and pa == pb):
+                    return None
+        residual_out, scales = arrays[RESIDUAL_OUT], arrays[SCALE if self.static else SCALES]
+        if q is None:
+            q = self._new_q(x)
+            slots[2] = ptr(q)
+        bits |= slots[2] * itemsize - px                 # q's bytes line up with x's elements
+        if self.fresh_residual_out:
+            residual_out = self._empty(x)
+            slots[3] = p = ptr(residual_out)
+            bits |= p - px
+        if self.fresh_scales:
+            scales = self._new_scales(x)
+            slots[6] = ptr(scales)
+        result = (q, residual_out, scales) if self.fused else (q, scales)
+        if self.rows == 0:
+            return result
+        if self.group:                                    # groups need rows on the vector grid: no head
+            bits |= px | self.x_stride_bytes
+        key = (bits & 15) | ((px & 15) << 4)
+        entry = self._by_low_bits.get(key)
+        if entry is None:
+            entry = self._by_low_bits[key] = self._launch_entry(bits, px)
+        kernel, argv, _ = entry
+        stream = self._stream(self._device_index)
+        with self._lock:
+            _pack_quant_pointers(self._slots, 0, *slots)
             _driver.launch(self.device, kernel, stream, argv)
         return result
 

@@ -142,9 +142,10 @@ def check_overlap(layout, metas):
     names = Arrays._fields
     args = (layout.rows, layout.n_inner, layout.hidden, layout.itemsize)
 
-    def span(k):
+    def span(k):     # an output of another dtype (a quantized out) carries its own itemsize
         lo, hi = layout.extents[k]
-        return metas[k].ptr, layout.row_strides[k] or (0, 0), (metas[k].ptr + lo, metas[k].ptr + hi)
+        return (metas[k].ptr, layout.row_strides[k] or (0, 0), (metas[k].ptr + lo, metas[k].ptr + hi),
+                metas[k].itemsize)
 
     for k in layout.given_outputs:
         if rows_overlap_themselves(layout.row_strides[k], layout.rows, layout.n_inner, layout.hidden):
@@ -162,6 +163,8 @@ def check_overlap(layout, metas):
                 raise ValueError(f"{names[k]} overlaps weight; weight is read by every row" + _MAYBE.get(found, ""))
         for i in INPUTS:
             found = overlap(span(k), span(i), *args) if metas[i] is not None else None
+            if found in ("partial", "maybe") and metas[k].dtype != metas[i].dtype:
+                raise ValueError(f"{names[k]} overlaps {names[i]}; pass memory apart from it" + _MAYBE.get(found, ""))
             if found in ("partial", "maybe"):
                 raise ValueError(f"{names[k]} partially overlaps {names[i]}: pass the very same array "
                                  f"({names[k]}={names[i]}) to work in place, or memory apart from it"
@@ -174,10 +177,10 @@ _MAYBE = {"maybe": " (the layouts were refused as possibly overlapping: proving 
 
 def _weight_overlap(out_span, wm, layout):
     """Whether an output's rows share memory with the weight vector (None, 'partial', 'maybe')."""
-    (po, so, (lo, hi)), (wlo, whi) = out_span, (wm.ptr, wm.ptr + layout.hidden * wm.itemsize)
+    (po, so, (lo, hi), itemsize), (wlo, whi) = out_span, (wm.ptr, wm.ptr + layout.hidden * wm.itemsize)
     if whi <= lo or hi <= wlo:
         return None
-    fo = _fake_numpy(po, so, layout.rows, layout.n_inner, layout.hidden, layout.itemsize)
+    fo = _fake_numpy(po, so, layout.rows, layout.n_inner, layout.hidden, itemsize)
     fw = _fake_numpy(wm.ptr, (0, 0), 1, 1, layout.hidden, wm.itemsize)
     try:
         return "partial" if np.shares_memory(fo, fw, max_work=10**6) else None
@@ -276,21 +279,153 @@ def overlap(a, b, rows, n_inner, hidden, itemsize):
     """'same' if a and b are the very same rows, 'partial' if they share memory otherwise,
     'maybe' if that could not be settled in bounded work, else None.
 
-    a and b are (ptr, (outer stride, inner stride), extent) triples.
+    a and b are (ptr, (outer stride, inner stride), extent) triples, or quadruples whose last
+    element is the array's own itemsize (``itemsize`` otherwise); arrays of two itemsizes are
+    never "the same".
     """
-    (pa, sa, ea), (pb, sb, eb) = a, b
+    (pa, sa, ea, *ia), (pb, sb, eb, *ib) = a, b
+    ia, ib = (ia or [itemsize])[0], (ib or [itemsize])[0]
     if ea[1] <= eb[0] or eb[1] <= ea[0]:
         return None
     n_outer = rows // n_inner if n_inner else 0
     norm = lambda s: (s[0] if n_outer > 1 else 0, s[1] if n_inner > 1 else 0)  # noqa: E731
-    if pa == pb and norm(sa) == norm(sb):
+    if pa == pb and norm(sa) == norm(sb) and ia == ib:
         return "same"
-    fa = _fake_numpy(pa, sa, rows, n_inner, hidden, itemsize)
-    fb = _fake_numpy(pb, sb, rows, n_inner, hidden, itemsize)
+    fa = _fake_numpy(pa, sa, rows, n_inner, hidden, ia)
+    fb = _fake_numpy(pb, sb, rows, n_inner, hidden, ib)
     try:
         return "partial" if np.shares_memory(fa, fb, max_work=10**6) else None
     except _TooHardError:
         return "maybe"
+
+
+# -- quantized forms -------------------------------------------------------------------------------
+
+class QuantArrays(NamedTuple):
+    """A quantized call's arrays: Arrays' five (out is q, the quantized output), then the static
+    scale and the scales (None where absent)."""
+    x: object
+    residual: object = None
+    weight: object = None
+    out: object = None
+    residual_out: object = None
+    scale: object = None
+    scales: object = None
+
+
+SCALE, SCALES = 5, 6                 # QuantArrays positions beyond Arrays'
+QUANT_NAMES = Arrays._fields + ("scale", "scales_out")     # the arguments' names, for messages
+TMA_ALIGN_ROWS = 4                   # per-group scales: a column of rows padded to 16 bytes
+
+
+class QuantLayout(NamedTuple):
+    """A validated quantized call but the addresses: ``call`` is the CallLayout of its first
+    five arrays (out: q). scales_strides: (row, group) strides of the scales in float32
+    elements, the row counted linearly over x's leading axes ((0, 0) for the static form);
+    scales_padded: the column length of fresh per-group scales (rows rounded up to
+    TMA_ALIGN_ROWS), else 0; extents: [lo, hi) bytes of scale and scales relative to their
+    pointers (None where absent); inference_scales: a given scales_out is an inference tensor."""
+    call: CallLayout
+    form: str
+    scales_shape: tuple
+    scales_strides: tuple
+    scales_padded: int
+    scale_extent: Optional[tuple]
+    scales_extent: Optional[tuple]
+    inference_scales: bool = False
+
+
+def quant_layout(kind, fused, arrays, metas, form, scales_shape, copied=False):
+    """The QuantLayout of a validated quantized call, and its arrays (QuantArrays), as
+    call_layout; scales_out's leading axes must lie at one stride (its rows linear) and no
+    given output may share memory with another array."""
+    five, call = call_layout(kind, fused, arrays[:5], metas[:5], copied)
+    rows, groups = call.rows, scales_shape[-1]
+    sm, scm = metas[SCALE], metas[SCALES]
+    padded = 0
+    if scm is not None:
+        row_stride = linear_row_stride(scales_shape[:-1], scm.strides[:-1])
+        if row_stride is None:
+            raise ValueError(f"scales_out's leading axes must lie at one stride from row to row (strides "
+                             f"{scm.strides} in elements); pass a contiguous one or a column-major (rows, groups) one")
+        strides = (row_stride, scm.strides[-1] if groups > 1 else 0)
+        if rows_overlap_themselves(strides, rows * groups, groups, 1):
+            raise ValueError("scales_out has elements that overlap each other in memory; it cannot be written")
+    elif form == "static":
+        strides = (0, 0)
+    elif form == "per_token":
+        strides = (1, 0)
+    else:                            # column-major, each column padded (DeepGEMM's TMA-aligned layout)
+        padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
+        strides = (1, padded)
+    scale_extent = (0, 4) if sm is not None else None
+    scales_extent = None
+    if scm is not None:
+        lo, hi = extent(0, strides, rows * groups, groups, 1, 4)
+        scales_extent = (lo, hi)
+    layout = QuantLayout(call, form, tuple(scales_shape), strides, padded, scale_extent, scales_extent,
+                         arrays[SCALES] is not None and kind.is_inference(arrays[SCALES]))
+    _check_quant_overlap(layout, metas)
+    return QuantArrays(*five, arrays[SCALE], arrays[SCALES]), layout
+
+
+def new_scales(empty, form, shape):
+    """Fresh scales of ``shape`` from ``empty(shape)`` (float32): contiguous per token; per group
+    column-major, each column padded to a multiple of TMA_ALIGN_ROWS rows (the returned array is a
+    view of the first rows), so the scale of (row r, group g) lies at g * padded + r."""
+    if form != "per_group":
+        return empty(shape)
+    rows = math.prod(shape[:-1])
+    padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
+    return empty((shape[-1], padded))[:, :rows].T.reshape(shape)
+
+
+def linear_row_stride(lead_shape, lead_strides):
+    """The stride from row to row of leading axes that merge into one level, else None."""
+    lay = row_layout(tuple(lead_shape) + (1,), [tuple(lead_strides)])
+    if lay.strides[0] is None or lay.n_inner != 1:
+        return None
+    return lay.strides[0][0]
+
+
+def _check_quant_overlap(layout, metas):
+    """ValueError when scales_out shares memory with any other array, or q, residual_out or
+    scales_out with the static scale (call_layout has checked the other pairs)."""
+    call = layout.call
+    if call.rows == 0:
+        return
+    names = QUANT_NAMES
+    groups = layout.scales_shape[-1]
+
+    def view(k):
+        """(extent, fake NumPy view) of array k."""
+        m = metas[k]
+        if k == SCALE:
+            return (m.ptr, m.ptr + 4), _fake_numpy(m.ptr, (0, 0), 1, 1, 1, 4)
+        if k == SCALES:
+            lo, hi = layout.scales_extent
+            return ((m.ptr + lo, m.ptr + hi),
+                    _fake_numpy(m.ptr, layout.scales_strides, call.rows * groups, groups, 1, 4))
+        if k == WEIGHT:
+            return (m.ptr, m.ptr + call.hidden * m.itemsize), _fake_numpy(m.ptr, (0, 0), 1, 1, call.hidden, m.itemsize)
+        lo, hi = call.extents[k]
+        return ((m.ptr + lo, m.ptr + hi),
+                _fake_numpy(m.ptr, call.row_strides[k], call.rows, call.n_inner, call.hidden, m.itemsize))
+
+    pairs = [(SCALES, k) for k in range(5) if metas[SCALES] is not None and metas[k] is not None]
+    if metas[SCALE] is not None:     # (the static form has no scales_out)
+        pairs += [(k, SCALE) for k in call.given_outputs]
+    for a, b in pairs:
+        (alo, ahi), fa = view(a)
+        (blo, bhi), fb = view(b)
+        if ahi <= blo or bhi <= alo:
+            continue
+        try:
+            found = "partial" if np.shares_memory(fa, fb, max_work=10**6) else None
+        except _TooHardError:
+            found = "maybe"
+        if found:
+            raise ValueError(f"{names[a]} overlaps {names[b]}; pass memory apart from it" + _MAYBE.get(found, ""))
 
 
 # -- backward ----------------------------------------------------------------------------------

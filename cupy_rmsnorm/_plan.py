@@ -18,6 +18,11 @@ GRID_ROW = 1 << 16         # blocks per grid row when one row is not enough
 # Past these, the row no longer fits in registers without spills (ptxas -v, sm_90).
 MAX_VECS_PER_THREAD = 4
 MAX_VECS_PER_THREAD_FUSED = 2
+# The per-token quantized form keeps its row through a second reduction (max |y|): in blocks of
+# 512 threads and more (64 registers a thread) two vectors a thread at most.
+MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK = 2
+QUANT_FORMS = (None, "static", "per_token", "per_group")
+QUANT_GROUP = 128          # elements per scale of the per-group form
 # Choices below were measured on an H200 (benchmarks/NOTES.md, benchmarks/results/sweep_plans.csv).
 FEW_ROWS = 256             # up to here latency rules: one vector per thread, clusters for long rows
 ONE_BLOCK_VECTORS = 512    # few rows longer than this get a cluster of blocks each (sm_90)
@@ -137,7 +142,7 @@ def early_trigger(grid, sm_count, blocks_per_sm):
 
 
 def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=True, max_cluster=1,
-                threads_per_row=None, vecs_per_thread=None, cluster=None):
+                threads_per_row=None, vecs_per_thread=None, cluster=None, quant=None):
     """Choose the variant and geometry for ``rows`` rows of ``hidden`` elements.
 
     With n = hidden // vec vectors per row (group_and_cluster):
@@ -154,12 +159,19 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
       the registers) per block are streamed.
     The grid has a block per row group (times the cluster). ``edges``: whether rows may
     have a head or tail (see LaunchPlan). threads_per_row / vecs_per_thread / cluster force
-    a choice (for sweeps; vecs_per_thread=0 forces streaming).
+    a choice (for sweeps; vecs_per_thread=0 forces streaming). ``quant``: the quantized
+    output form (QUANT_FORMS), the same geometry but for "per_token" in blocks of 512+
+    threads (MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK); "per_group" needs rows of whole
+    vectors (edges=False) and whole groups.
     """
     if rows < 0 or hidden < 1 or vec < 1 or sm_count < 1:
         raise ValueError("launch_plan needs rows >= 0, hidden >= 1, vec >= 1, sm_count >= 1")
     if not edges and hidden % vec:
         raise ValueError("edges=False needs hidden to be a multiple of vec (rows of whole vectors)")
+    if quant not in QUANT_FORMS:
+        raise ValueError(f"quant must be one of {QUANT_FORMS}, got {quant!r}")
+    if quant == "per_group" and (edges or hidden % QUANT_GROUP):
+        raise ValueError(f"quant='per_group' needs edges=False and hidden a multiple of {QUANT_GROUP}")
     n = max(hidden // vec, 1)           # vectors per row at most (head and tail aside)
     max_nv = MAX_VECS_PER_THREAD_FUSED if fused else MAX_VECS_PER_THREAD
     g, c = group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster)
@@ -169,6 +181,8 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
         nv = vecs_per_thread
     else:
         nv = _pow2_ceil(_ceil_div(m, g))
+        if quant == "per_token" and (g >= 512 or nv > max_nv):
+            max_nv = min(max_nv, MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK)
         if nv > max_nv:                 # too long for registers: a full block streams it
             g, nv = MAX_BLOCK, (_pow2_ceil(_ceil_div(m, MAX_BLOCK)) if m <= MAX_BLOCK * max_nv else 0)
     if c > 1 and g <= WARP:

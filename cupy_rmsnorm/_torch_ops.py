@@ -16,6 +16,14 @@ autograd through them.
                                               str casting_mode, bool weight_grad) -> (Tensor, Tensor)
         (dx or d_input, and dweight; dweight is an empty tensor of x's dtype when weight is
         None or weight_grad is False)
+    cupy_rmsnorm::rms_norm_quant(Tensor x, Tensor? weight, Tensor? scale, float eps, float weight_offset,
+                                 str casting_mode, SymInt? group_size, float? scale_ub, str quant_dtype)
+                                 -> (Tensor, Tensor)
+    cupy_rmsnorm::fused_add_rms_norm_quant(Tensor x, Tensor residual, ...the same...) -> (Tensor, Tensor, Tensor)
+    cupy_rmsnorm::fused_add_rms_norm_quant_inplace(Tensor x, Tensor(a1!) residual, ...) -> (Tensor, Tensor)
+        (q, [residual_out,] scales; residual becomes residual_out in the in-place form; with a
+        static scale, scales is an empty float32 tensor and the public functions return the
+        scale itself; forward-only: FP8 outputs have no gradient)
 
 Autograd (``torch.library.register_autograd``): rms_norm and fused_add_rms_norm save their
 input x (the fused op: its output residual_out) and the weight, and their backward is the
@@ -40,8 +48,8 @@ from typing import Optional
 import torch
 
 from . import _api, _interop
-from ._layout import Arrays, BackwardArrays
-from ._validate import check_arrays, check_backward_arrays, check_scalars
+from ._layout import Arrays, BackwardArrays, new_scales
+from ._validate import check_arrays, check_backward_arrays, check_quant, check_quant_arrays, check_scalars
 
 Tensor = torch.Tensor
 
@@ -97,6 +105,96 @@ def _(x, residual, weight, eps, weight_offset, casting_mode):
 @fused_add_rms_norm_inplace.register_fake
 def _(x, residual, weight, eps, weight_offset, casting_mode):
     _check_fake(x, residual, weight)
+
+
+# -- quantized forms ---------------------------------------------------------------------------
+
+def _quant_direct(fused, x, residual, weight, residual_out, scale, eps, weight_offset, casting_mode, group_size,
+                  scale_ub, quant_dtype):
+    result = _api._quant_call(fused, (x, residual, weight, None, residual_out, scale, None), eps, weight_offset,
+                              casting_mode, group_size, scale_ub, quant_dtype)
+    if scale is None:
+        return result
+    return result[:-1] + (x.new_empty(0, dtype=torch.float32),)    # no alias of an input
+
+
+@torch.library.custom_op("cupy_rmsnorm::rms_norm_quant", mutates_args=())
+def rms_norm_quant(x: Tensor, weight: Optional[Tensor], scale: Optional[Tensor], eps: float, weight_offset: float,
+                   casting_mode: str, group_size: Optional[int], scale_ub: Optional[float],
+                   quant_dtype: str) -> tuple[Tensor, Tensor]:
+    return _quant_direct(False, x, None, weight, None, scale, eps, weight_offset, casting_mode, group_size,
+                         scale_ub, quant_dtype)
+
+
+@torch.library.custom_op("cupy_rmsnorm::fused_add_rms_norm_quant", mutates_args=())
+def fused_add_rms_norm_quant(x: Tensor, residual: Tensor, weight: Optional[Tensor], scale: Optional[Tensor],
+                             eps: float, weight_offset: float, casting_mode: str, group_size: Optional[int],
+                             scale_ub: Optional[float], quant_dtype: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _quant_direct(True, x, residual, weight, None, scale, eps, weight_offset, casting_mode, group_size,
+                         scale_ub, quant_dtype)
+
+
+@torch.library.custom_op("cupy_rmsnorm::fused_add_rms_norm_quant_inplace", mutates_args=("residual",))
+def fused_add_rms_norm_quant_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], scale: Optional[Tensor],
+                                     eps: float, weight_offset: float, casting_mode: str, group_size: Optional[int],
+                                     scale_ub: Optional[float], quant_dtype: str) -> tuple[Tensor, Tensor]:
+    q, _, scales = _quant_direct(True, x, residual, weight, residual, scale, eps, weight_offset, casting_mode,
+                                 group_size, scale_ub, quant_dtype)
+    return q, scales
+
+
+def _fake_quant(x, residual, weight, scale, group_size, scale_ub, quant_dtype):
+    """(q, scales) of the real path's dtypes, shapes and strides, after its checks."""
+    spec = check_quant(scale is not None, group_size, scale_ub, quant_dtype)
+    check_quant_arrays(Arrays(_fake_meta(x), _fake_meta(residual), _fake_meta(weight)), _fake_meta(scale), None, spec)
+    q = torch.empty(x.shape, dtype=getattr(torch, spec.quant_dtype), device=x.device)
+    if scale is not None:
+        return q, x.new_empty(0, dtype=torch.float32)
+    empty = lambda shape: torch.empty(shape, dtype=torch.float32, device=x.device)  # noqa: E731
+    return q, new_scales(empty, spec.form, spec.scales_shape(tuple(x.shape)))
+
+
+@rms_norm_quant.register_fake
+def _(x, weight, scale, eps, weight_offset, casting_mode, group_size, scale_ub, quant_dtype):
+    return _fake_quant(x, None, weight, scale, group_size, scale_ub, quant_dtype)
+
+
+@fused_add_rms_norm_quant.register_fake
+def _(x, residual, weight, scale, eps, weight_offset, casting_mode, group_size, scale_ub, quant_dtype):
+    q, scales = _fake_quant(x, residual, weight, scale, group_size, scale_ub, quant_dtype)
+    return q, torch.empty_like(x, memory_format=torch.contiguous_format), scales
+
+
+@fused_add_rms_norm_quant_inplace.register_fake
+def _(x, residual, weight, scale, eps, weight_offset, casting_mode, group_size, scale_ub, quant_dtype):
+    return _fake_quant(x, residual, weight, scale, group_size, scale_ub, quant_dtype)
+
+
+def call_quant(fused, arrays, eps, weight_offset, casting_mode, group_size, scale_ub, quant_dtype):
+    """A public quantized call through the registered ops (while torch.compile traces), given
+    outputs filled by a copy (``residual_out=residual`` is the in-place op)."""
+    x, residual, weight, out, residual_out, scale, scales_out = arrays
+    if fused and residual is None:
+        raise TypeError("residual must be an array of x's shape and dtype, got None")
+    scalars = check_scalars(eps, weight_offset, casting_mode, weight is not None)
+    spec = check_quant(scale is not None, group_size, scale_ub, quant_dtype)
+    args = (weight, scale, scalars.eps, scalars.weight_offset, scalars.casting_mode, spec.group_size,
+            None if spec.scale_ub == float("inf") else spec.scale_ub, spec.quant_dtype)
+    if not fused:
+        q, scales = rms_norm_quant(x, *args)
+    elif residual_out is residual:
+        q, scales = fused_add_rms_norm_quant_inplace(x, residual, *args)
+    else:
+        q, s, scales = fused_add_rms_norm_quant(x, residual, *args)
+        residual_out = s if residual_out is None else residual_out.copy_(s)
+    if out is not None:       # a uint8 out takes the bits
+        (out if out.dtype == q.dtype else out.view(q.dtype)).copy_(q)
+        q = out
+    if scale is not None:
+        scales = scale
+    elif scales_out is not None:
+        scales = scales_out.copy_(scales)
+    return (q, residual_out, scales) if fused else (q, scales)
 
 
 # -- backward ---------------------------------------------------------------------------------

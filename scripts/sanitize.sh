@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Runs tests/sanitize_grid.py (the forward) and tests/sanitize_backward_grid.py (the
-# backward) under compute-sanitizer's memcheck, racecheck and initcheck and prints one
-# summary line per tool and grid; exits non-zero if any tool or grid failed.
+# Runs tests/sanitize_grid.py (the forward), tests/sanitize_backward_grid.py (the backward)
+# and tests/sanitize_quant_grid.py (the quantized forms) under compute-sanitizer's memcheck,
+# racecheck and initcheck and prints one summary line per tool and grid; exits non-zero if
+# any tool or grid failed.
 #
 #     scripts/sanitize.sh                 # from anywhere; needs a GPU and compute-sanitizer
 #     SANITIZE_LOG_DIR=dir scripts/sanitize.sh   # keep the full logs there (default: a temp dir)
 #     SANITIZE_GRIDS=sanitize_backward_grid scripts/sanitize.sh   # one grid only
+#     SANITIZE_TOOLS="memcheck racecheck" scripts/sanitize.sh     # some tools only
 #     PYTHON=python3.12 SANITIZER_FLAGS="..." scripts/sanitize.sh
 #
 # racecheck runs the grid with --quick (it instruments every shared-memory access and is
@@ -35,8 +37,8 @@ api_flag=""
 
 status=0
 summary=()
-for grid_name in ${SANITIZE_GRIDS:-sanitize_grid sanitize_backward_grid}; do
-for tool in memcheck racecheck initcheck; do
+for grid_name in ${SANITIZE_GRIDS:-sanitize_grid sanitize_backward_grid sanitize_quant_grid}; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     quick=""
     [ "$tool" = racecheck ] && quick="--quick"
     log="$LOG_DIR/$grid_name.$tool.log"

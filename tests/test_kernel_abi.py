@@ -76,3 +76,42 @@ def test_backward_groups_match_the_plan():
     assert "constexpr int GROUPS = ROW_THREADS <= 32 ? 256 / ROW_THREADS : 1;" in src
     from cupy_rmsnorm import _plan
     assert _plan.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32
+
+
+def test_quant_params_match_the_kernel():
+    src = kernel_source()
+    size = int(re.search(r"static_assert\(sizeof\(QuantParams\) == (\d+)", src).group(1))
+    dtype = _launcher.QUANT_PARAMS_DTYPE
+    assert size == _launcher.QUANT_PARAMS_BYTES == dtype.itemsize
+    fields = _struct_fields(src, "QuantParams")
+    assert [f for f, _ in fields] == list(dtype.names)
+    for name, ctype in fields:
+        assert dtype.fields[name][0].itemsize == _SIZES[ctype], name
+    offsets = [dtype.fields[n][1] for n in dtype.names]
+    assert offsets == sorted(offsets) and sum(_SIZES[t] for _, t in fields) == size
+
+
+def _enum(name):
+    body = re.search(r"enum %s \{(.*?)\};" % name, kernel_source(), re.S).group(1)
+    return {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
+
+
+def test_quant_enums_and_constants_match():
+    """QuantForm / QuantType against _compile's names, and the constants of the contract
+    (QMAX per type, the group size, the minimum scale's divisor) against _reference / _plan."""
+    from cupy_rmsnorm import _compile, _plan, _reference
+    forms = _enum("QuantForm")
+    assert forms.pop("kPlain") == 0
+    assert forms == {"kStatic": _compile.QUANT_FORMS["static"], "kPerToken": _compile.QUANT_FORMS["per_token"],
+                     "kPerGroup": _compile.QUANT_FORMS["per_group"]}
+    types = _enum("QuantType")
+    assert types == {"kE4M3": _compile.QUANT_TYPES["float8_e4m3fn"], "kE5M2": _compile.QUANT_TYPES["float8_e5m2"],
+                     "kInt8": _compile.QUANT_TYPES["int8"]}
+    src = kernel_source()
+    for kname, qname in (("kE4M3", "float8_e4m3fn"), ("kE5M2", "float8_e5m2"), ("kInt8", "int8")):
+        value = re.search(r"struct QuantMax<%s> \{ static constexpr float value = ([\d.]+)f; \};" % kname, src)
+        assert float(value.group(1)) == _reference.quant_max(qname)
+    assert int(re.search(r"constexpr int kGroupSize = (\d+);", src).group(1)) == _plan.QUANT_GROUP
+    assert _reference.GROUP_SIZES == (_plan.QUANT_GROUP,)
+    divisor = float(re.search(r"constexpr float kMinScaleDivisor = ([\d.]+)f;", src).group(1))
+    assert divisor == _reference.MIN_SCALE_DIVISOR
