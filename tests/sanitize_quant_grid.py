@@ -26,7 +26,7 @@ import numpy as np
 from gpu_reference import to_device, to_host
 from helpers import DTYPES
 from sanitize_grid import launch_shapes, make_input
-from test_gpu_quant import compare_q, compare_scales
+from test_gpu_quant import compare_q, compare_scales, tolerances
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _launcher, _plan
@@ -85,10 +85,11 @@ def run(rng, op, dtype_name, form, quant_dtype, hidden, layout, rows, mode, wkin
         _, want_scales = rn.rms_norm_quant_reference(x_h, w_h, 1e-6, woff, mode, **ref_kw)
         want_s = x_h
     y = R._normalized(want_s, w_h, 1e-6, woff, mode)
+    near, rel = tolerances(mode, dtype_name)
     if form == "static":
         got_scales = scale_h.reshape(())
     else:
-        msg = compare_scales(scales, want_scales, False)
+        msg = compare_scales(scales, want_scales, False, rel)
         if msg:
             print(f"WRONG {name}: {msg}", flush=True)
             return False
@@ -97,7 +98,7 @@ def run(rng, op, dtype_name, form, quant_dtype, hidden, layout, rows, mode, wkin
     if group:
         y = y.reshape(y.shape[:-1] + (hidden // 128, 128))
         got_scales = got_scales[..., None]
-    msg = compare_q(got.reshape(y.shape), y, got_scales, quant_dtype, False)
+    msg = compare_q(got.reshape(y.shape), y, got_scales, quant_dtype, False, near)
     if msg:
         print(f"WRONG {name}: {msg}", flush=True)
     return msg is None
