@@ -16,7 +16,7 @@ A100_SMS = 108
 
 # (rows, hidden, itemsize, vec, sm_count, fused, max_cluster) -> (variant, threads_per_row,
 # vecs_per_thread, rows_per_block, block, grid, cluster), worked out by hand from
-# launch_plan's docstring. With n = hidden // vec vectors per row:
+# launch_plan's docstring. With n = ceil(hidden / vec) vectors per row (a partial one counts):
 # - n <= 64 (128 for rms_norm): G = next power of two of n / t within [8, 32], t = 4 for
 #   rms_norm past 32 vectors, else 2; 256-thread blocks of 256 / G rows;
 # - rows <= 256: cluster C = 1 for n <= 512, else the largest power of two <= max_cluster
@@ -52,8 +52,10 @@ PLAN_TABLE = [
     ((64, 16384, 2, 8, H200_SMS, True, 1), ("registers", 1024, 2, 1, 1024, 64, 1)),    # 512 x 4 > 2 each
     ((64, 16384, 2, 8, H200_SMS, True, 8), ("registers", 512, 2, 1, 512, 128, 2)),
     ((64, 32768, 2, 8, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 64, 1)),   # n = 4096
-    ((3, 8193, 2, 2, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 3, 1)),      # n = 4096
-    ((3, 8193, 2, 2, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 24, 8)),
+    ((3, 8192, 2, 2, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 3, 1)),      # n = 4096
+    ((3, 8192, 2, 2, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 24, 8)),
+    ((3, 8193, 2, 2, H200_SMS, False, 1), ("stream", 1024, 0, 1, 1024, 3, 1)),         # n = 4097: the tail's
+    ((3, 8193, 2, 2, H200_SMS, False, 8), ("registers", 512, 2, 1, 512, 24, 8)),       # vector counts
     # many rows: n / 4 threads for rms_norm past 256 vectors, n / 2 otherwise
     ((300, 4096, 2, 8, H200_SMS, False, 8), ("registers", 128, 4, 1, 128, 300, 1)),
     ((1000, 4096, 2, 8, 1, False, 1), ("registers", 128, 4, 1, 128, 1000, 1)),
@@ -148,7 +150,7 @@ def test_launch_plan_properties():
     count = 0
     for hidden in _sampled_hidden_sizes():
         for itemsize, vec in ((2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)):
-            n = hidden // vec
+            n = -(-hidden // vec)          # vectors, a partial last one included
             count += 1   # rows, SM count and fused cycle with the hidden sizes
             for rows, sms, fused, max_cluster in (grids[count % len(grids)], grids[(count * 7 + 3) % len(grids)]):
                 p = rn.launch_plan(rows, hidden, itemsize, vec, sms, fused, max_cluster=max_cluster)
