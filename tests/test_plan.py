@@ -128,6 +128,37 @@ def test_launch_plan_rejects_impossible_choices():
         rn.launch_plan(4, 4095, 2, 8, H200_SMS, edges=False)
     with pytest.raises(ValueError, match="more than 32 threads"):
         rn.launch_plan(4, 256, 2, 8, H200_SMS, cluster=2)     # a warp group per row
+    with pytest.raises(ValueError, match="streamed row needs more than 32 threads"):
+        rn.launch_plan(4, 256, 2, 8, H200_SMS, threads_per_row=32, vecs_per_thread=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(threads_per_row=48), "threads_per_row must be a power of two"),
+    (dict(threads_per_row=2048), "threads_per_row must be a power of two up to 1024"),
+    (dict(threads_per_row=0), "threads_per_row"),
+    (dict(vecs_per_thread=3), "vecs_per_thread must be a power of two"),
+    (dict(vecs_per_thread=-1), "vecs_per_thread"),
+    (dict(cluster=3), "cluster must be a power of two"),
+    (dict(cluster=16), "cluster must be a power of two up to 8"),
+    (dict(threads_per_row=64, vecs_per_thread=4), "do not cover a row of 512 vectors"),
+    (dict(threads_per_row=128, vecs_per_thread=2, cluster=1), "do not cover"),
+])
+def test_launch_plan_rejects_forced_choices_off_the_tree(overrides, message):
+    """Forced choices split the row in powers of two and cover it (the canonical tree's
+    shape), or launch_plan says which one does not."""
+    with pytest.raises(ValueError, match=message):
+        rn.launch_plan(4096, 4096, 2, 8, H200_SMS, **overrides)
+
+
+def test_the_tail_vector_is_covered():
+    """A hidden size past a whole number of vectors counts the partial vector: the thread
+    that owns its index exists in every register plan."""
+    for hidden in range(1, 5000, 37):
+        for vec in (2, 4, 8):
+            for rows in (1, 300, 10 ** 5):
+                p = rn.launch_plan(rows, hidden, 2, vec, H200_SMS, max_cluster=8)
+                if p.vecs_per_thread:
+                    assert p.threads_per_row * p.vecs_per_thread * p.cluster >= -(-hidden // vec), (hidden, vec, p)
 
 
 def _sampled_hidden_sizes():
