@@ -249,7 +249,7 @@ constexpr int kEpochLevels = 32;
 
 template <int WARPS, int CLUSTER>
 __device__ __forceinline__ float epoch_total(const float (&warp_sums)[kEpoch][WARPS], int count, bool first_round) {
-    __shared__ float step_sums[kEpoch], cluster_sums[kEpoch];
+    __shared__ float step_sums[kEpoch];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (CLUSTER > 1 && !first_round) cluster_wait();   // every block has read the last epoch's
@@ -263,6 +263,7 @@ __device__ __forceinline__ float epoch_total(const float (&warp_sums)[kEpoch][WA
     const float* sums = step_sums;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (CLUSTER > 1) {
+        __shared__ float cluster_sums[kEpoch];
         cluster_arrive();
         cluster_wait();
         const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(step_sums));
