@@ -18,12 +18,12 @@ launch plan (threads per row, vectors per thread, cluster, streamed or in regist
 width), so a row's outputs depend only on its own values, the hidden size and the call's
 arguments: not on how many rows share the call or where the row sits. That holds for every
 row that starts on the vector grid the call uses (no scalar head): every row whose start is
-16-byte aligned, hence every row of a contiguous tensor from an aligned allocation whose
-rows are a multiple of 16 bytes long (a hidden size that is a multiple of 8 for the 16-bit
-dtypes, of 4 for float32), of any view whose row strides are too, and every call on the
-scalar path (vector width 1: where the arrays' relative alignments allow no wider
-vectors). A row that starts off that grid is summed in a deterministic order of its own
-(the same call gives the same bits every run), not the canonical one.
+16-byte aligned (all rows of a contiguous tensor whose rows are a multiple of 16 bytes
+long: a hidden size that is a multiple of 8 for the 16-bit dtypes, of 4 for float32; all
+rows of a view whose row strides are), and every call on the scalar path (vector width 1:
+where the arrays' relative alignment allows no wider vectors). A row that starts off that
+grid is summed in a deterministic order of its own (the same call gives the same bits
+every run), not the canonical one. The backward recomputes inv_rms in its own fixed order.
 
 Known differences from the GPU kernels, all within a float32 ulp or two: the kernels use
 the hardware ``rsqrtf`` and, as CuPy compiles them, flush float32 subnormals to zero
