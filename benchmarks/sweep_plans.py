@@ -47,7 +47,8 @@ def candidates(rows, hidden, fused, sm, max_cluster):
     base = heuristic(rows, hidden, 2, 8, sm, fused, edges=hidden % 8 != 0, max_cluster=max_cluster)
     out = [("heuristic", {}), ("heuristic/no-pdl", dict(pdl=False))]
     c0 = base.cluster
-    n = -(-(hidden // 8) // c0)
+    vectors = -(-hidden // 8)       # a partial last vector counts (its thread must exist)
+    n = -(-vectors // c0)
     g0 = base.threads_per_row
     for g in (g0 // 2, g0 * 2):
         if not 8 <= g <= 1024:
@@ -59,11 +60,11 @@ def candidates(rows, hidden, fused, sm, max_cluster):
             out.append((f"G{g}/NV{nv}/C{c0}", dict(threads_per_row=g, vecs_per_thread=nv, cluster=c0)))
     if n >= 1024:
         out.append((f"stream/C{c0}", dict(threads_per_row=1024, vecs_per_thread=0, cluster=c0)))
-    if max_cluster > 1 and rows <= 64 and hidden // 8 >= 512:
+    if max_cluster > 1 and rows <= 64 and vectors >= 512:
         for c in (1, 2, 4, 8):
             if c != c0:
                 out.append((f"C{c}", dict(cluster=c)))
-                m = -(-(hidden // 8) // c)
+                m = -(-vectors // c)
                 if m >= 256:        # the same cluster with one vector per thread, or as few as fit
                     g = min(1024, 1 << (m - 1).bit_length())
                     nv = -(-m // g)

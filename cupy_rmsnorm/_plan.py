@@ -132,6 +132,20 @@ def group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster=None):
     return min(max(_pow2_ceil(_ceil_div(n, per_thread)), 2 * WARP), MAX_BLOCK), 1
 
 
+def _is_power_of_two(v):
+    return v >= 1 and v & (v - 1) == 0
+
+
+def _check_forced(threads_per_row, vecs_per_thread, cluster):
+    """Forced choices split the row in powers of two, as the kernel's summation tree does."""
+    if threads_per_row is not None and not (_is_power_of_two(threads_per_row) and threads_per_row <= MAX_BLOCK):
+        raise ValueError(f"threads_per_row must be a power of two up to {MAX_BLOCK}, got {threads_per_row}")
+    if vecs_per_thread is not None and vecs_per_thread != 0 and not _is_power_of_two(vecs_per_thread):
+        raise ValueError(f"vecs_per_thread must be a power of two (or 0: streaming), got {vecs_per_thread}")
+    if cluster is not None and not (_is_power_of_two(cluster) and cluster <= MAX_CLUSTER):
+        raise ValueError(f"cluster must be a power of two up to {MAX_CLUSTER}, got {cluster}")
+
+
 def early_trigger(grid, sm_count, blocks_per_sm):
     """Whether the kernel lets the next kernel launch as soon as it starts (programmatic
     dependent launch) rather than as each block finishes. Early overlaps the most, but when
@@ -145,7 +159,7 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
                 threads_per_row=None, vecs_per_thread=None, cluster=None, quant=None):
     """Choose the variant and geometry for ``rows`` rows of ``hidden`` elements.
 
-    With n = hidden // vec vectors per row (group_and_cluster):
+    With n = ceil(hidden / vec) vectors per row, a partial last one included (group_and_cluster):
     - n <= 64 (128 for rms_norm): a group of 8, 16 or 32 threads per row holding 2
       vectors each (4 for rms_norm past 32 vectors), 256-thread blocks holding several rows;
     - few rows (<= 256): a block per row, one vector per thread (up to 1024 threads, 512
@@ -159,10 +173,11 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
       the registers) per block are streamed.
     The grid has a block per row group (times the cluster). ``edges``: whether rows may
     have a head or tail (see LaunchPlan). threads_per_row / vecs_per_thread / cluster force
-    a choice (for sweeps; vecs_per_thread=0 forces streaming). ``quant``: the quantized
-    output form (QUANT_FORMS), the same geometry but for "per_token" in blocks of 512+
-    threads (MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK); "per_group" needs rows of whole
-    vectors (edges=False) and whole groups.
+    a choice (for sweeps; vecs_per_thread=0 forces streaming): powers of two (the kernel's
+    canonical summation tree splits the row in powers of two), covering the row. ``quant``:
+    the quantized output form (QUANT_FORMS), the same geometry but for "per_token" in blocks
+    of 512+ threads (MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK); "per_group" needs rows of
+    whole vectors (edges=False) and whole groups.
     """
     if rows < 0 or hidden < 1 or vec < 1 or sm_count < 1:
         raise ValueError("launch_plan needs rows >= 0, hidden >= 1, vec >= 1, sm_count >= 1")
@@ -172,7 +187,8 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
         raise ValueError(f"quant must be one of {QUANT_FORMS}, got {quant!r}")
     if quant == "per_group" and (edges or hidden % QUANT_GROUP):
         raise ValueError(f"quant='per_group' needs edges=False and hidden a multiple of {QUANT_GROUP}")
-    n = max(hidden // vec, 1)           # vectors per row at most (head and tail aside)
+    _check_forced(threads_per_row, vecs_per_thread, cluster)
+    n = _ceil_div(hidden, vec)          # vectors per row: the tail's partial vector has an owner
     max_nv = MAX_VECS_PER_THREAD_FUSED if fused else MAX_VECS_PER_THREAD
     g, c = group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster)
     g, c = threads_per_row or g, cluster or c
@@ -187,6 +203,10 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
             g, nv = MAX_BLOCK, (_pow2_ceil(_ceil_div(m, MAX_BLOCK)) if m <= MAX_BLOCK * max_nv else 0)
     if c > 1 and g <= WARP:
         raise ValueError("a cluster per row needs more than 32 threads per row")
+    if nv == 0 and g <= WARP:
+        raise ValueError("a streamed row needs more than 32 threads per row")
+    if nv and g * nv * c < n:
+        raise ValueError(f"{g} threads x {nv} vectors x {c} blocks do not cover a row of {n} vectors")
     rows_per_block = WARP_VARIANT_BLOCK // g if g <= WARP else 1
     grid = max(1, _ceil_div(rows, rows_per_block)) * c
     if grid > GRID_ROW * MAX_GRID_Y:

@@ -3,8 +3,9 @@
 This is the CPU path for NumPy arrays and the reference the GPU tests compare with.
 Every step mirrors ``kernels/rms_norm.cu``:
 
-- the sum of squares is accumulated in float32 whatever the storage dtype;
-  ``inv_rms = 1 / sqrt(sum / hidden + eps)``;
+- the sum of squares is accumulated in float32 whatever the storage dtype, in one
+  canonical order per hidden size (``canonical_sum_of_squares``: a binary tree over the
+  element index), ``inv_rms = 1 / sqrt(sum / hidden + eps)``;
 - fused: ``residual_out = round(x + residual)`` to the storage dtype first, and that
   rounded value is what gets squared and normalized;
 - ``casting_mode="fp32"``: ``y = round(x * inv_rms * (weight + weight_offset))``,
@@ -14,15 +15,56 @@ Every step mirrors ``kernels/rms_norm.cu``:
 - the quantized forms (``rms_norm_quant`` / ``fused_add_rms_norm_quant``) quantize y as it
   stands in float32 before that final rounding (see "quantized outputs" below).
 
-Known differences from the GPU kernels, all within a float32 ulp or two: the kernels
-sum in another order, use the hardware ``rsqrtf`` and, as CuPy compiles them, flush
-float32 subnormals to zero.
+Batch invariance: the kernels add the squares in that same canonical tree whatever their
+launch plan (threads per row, vectors per thread, cluster, streamed or in registers, vector
+width), so a row's outputs depend only on its own values, the hidden size and the call's
+arguments: not on how many rows share the call or where the row sits. That holds for every
+row that starts on the vector grid the call uses (no scalar head): every row whose start is
+16-byte aligned (all rows of a contiguous tensor whose rows are a multiple of 16 bytes
+long: a hidden size that is a multiple of 8 for the 16-bit dtypes, of 4 for float32; all
+rows of a view whose row strides are), and every call on the scalar path (vector width 1:
+where the arrays' relative alignment allows no wider vectors). A row that starts off that
+grid is summed in a deterministic order of its own (the same call gives the same bits
+every run), not the canonical one. The backward recomputes inv_rms in its own fixed order.
+
+Known differences from the GPU kernels, all within a float32 ulp or two: the kernels use
+the hardware ``rsqrtf`` and, as CuPy compiles them, flush float32 subnormals to zero
+(``canonical_sum_of_squares(..., flush_subnormals=True)`` models their sum exactly).
 """
 
 import ml_dtypes
 import numpy as np
 
 CASTING_MODES = ("fp32", "llama")
+FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)    # the smallest normal float32
+
+
+def canonical_sum_of_squares(x, flush_subnormals=False):
+    """The float32 sum of squares of each row (the last axis) of ``x``, in the kernels' order.
+
+    Each square is rounded to float32 on its own; the squares are then added as a complete
+    binary tree over the element index j, padded with zeros to a power of two, neighbours
+    first: level k adds the partial sums of j's blocks of 2**k in pairs (blocks 2m and
+    2m + 1). A zero added is exact (squares are >= 0), so any padding gives the same bits,
+    and so does any power-of-two split of the row into vectors, lanes, warps, blocks and
+    steps that adds them low index bits first: the kernels' split, whatever the plan.
+    ``flush_subnormals``: flush subnormal squares to zero, as the kernels compiled with
+    flush-to-zero do (a sum of normal numbers >= 0 is never subnormal). Returns float32 of
+    shape ``x.shape[:-1]``.
+    """
+    xf = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        level = xf * xf
+        if flush_subnormals:
+            level = np.where(level < FLOAT32_TINY, np.float32(0), level)
+        n = level.shape[-1]
+        width = 1 << max(0, (n - 1).bit_length())
+        if width != n:
+            pad = np.zeros(level.shape[:-1] + (width - n,), np.float32)
+            level = np.concatenate([level, pad], axis=-1)
+        while level.shape[-1] > 1:
+            level = level[..., 0::2] + level[..., 1::2]
+    return level[..., 0]
 
 
 def rms_norm_reference(x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32"):
@@ -42,7 +84,7 @@ def _normalized(x, weight, eps, weight_offset, casting_mode):
     """y in float32, before the final rounding (what the quantized forms quantize)."""
     dtype = x.dtype
     xf = np.asarray(x, dtype=np.float32)
-    sumsq = np.sum(xf * xf, axis=-1, keepdims=True, dtype=np.float32)
+    sumsq = canonical_sum_of_squares(xf)[..., None]
     inv_rms = np.float32(1.0) / np.sqrt(sumsq / np.float32(x.shape[-1]) + np.float32(eps))
     normed = xf * inv_rms
     if casting_mode == "llama":     # (without a weight the final rounding makes this moot)

@@ -24,6 +24,10 @@
 // read from DRAM once); THREAD_VECS == 0 streams the row twice (pass 2 re-reads x, or
 // residual_out, from L2).
 //
+// Batch invariance: the sum of squares is one canonical tree per hidden size, whatever the
+// plan (see "The sum of squares" below), so a row's bits depend on the row alone, not on
+// the rows beside it or the plan they chose (rows that start off the vector grid aside).
+//
 // Quantized output (rms_norm_quant_kernel, rms_norm_quant_cluster_kernel): the same row, but
 // y is kept in float32 before its final rounding and stored as FP8 (e4m3fn, e5m2) or int8:
 // q = sat(round(y * (1 / scale))) with a static per-tensor scale read from device memory,
@@ -84,6 +88,225 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
+// ---- The sum of squares: one canonical tree per hidden size ---------------------------------
+// A row's sum of squares is a complete binary tree over the element index j, padded with
+// zeros to a power of two, adding low index bits first. Threads hold the row in the strided
+// order j = e + VEC * (lane + 32 * (warp + WARPS * (rank + CLUSTER * i))) (e: element of a
+// vector; i: the thread's i-th vector, or the streamed loop's i-th step), so the tree is, in
+// this order: each vector's elements, the lanes (xor butterflies 1, 2, 4, ...), the warps,
+// the cluster's blocks, and only then the steps i, each kept apart until then (in "slots").
+// Every plan computes that same tree: a power-of-two split only moves the line between the
+// levels, and a zero (a slot or lane past the row's end) adds nothing, squares being >= 0.
+// cupy_rmsnorm/_reference.py (canonical_sum_of_squares) is the same tree in NumPy.
+
+__host__ __device__ constexpr int log2_of(int n) { return n > 1 ? 1 + log2_of(n / 2) : 0; }
+
+// q[0] + ... + q[N - 1] as a binary tree over the index, low bits first (N a power of two).
+template <int N>
+__device__ __forceinline__ float pairwise_sum(float (&q)[N]) {
+#pragma unroll
+    for (int w = 1; w < N; w *= 2)
+#pragma unroll
+        for (int k = 0; k < N; k += 2 * w) q[k] += q[k + w];
+    return q[0];
+}
+
+// __fmul_rn: the square is rounded on its own, never fused into the add that follows (an FMA
+// would round differently from a plan that adds this square in another thread).
+__device__ __forceinline__ float square(float f) { return __fmul_rn(f, f); }
+
+template <typename T, int VEC>
+__device__ __forceinline__ float vector_squares(const Pack<T, VEC>& a) {
+    float q[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) q[e] = square(to_float(a.v[e]));
+    return pairwise_sum(q);
+}
+
+// c ? a : b, as a select of the values: the compiler may otherwise select the address of
+// one of two array elements, and a computed address puts the array in local memory.
+__device__ __forceinline__ float pick(bool c, float a, float b) {
+    float r;
+    asm("{ .reg .pred c; setp.ne.b32 c, %3, 0; selp.f32 %0, %1, %2, c; }" : "=f"(r) : "f"(a), "f"(b), "r"((int)c));
+    return r;
+}
+
+// SLOTS partial sums per thread (a power of two), each summed over the LANES lanes of a group
+// (a power of two up to 32; xor butterflies, lane bits low to high). Each exchange also halves
+// the slots a lane goes on with (a reduce-scatter: the lane whose bit is 0 keeps the lower
+// half), so SLOTS slots cost SLOTS - 1 + log2(LANES / SLOTS) shuffles, not SLOTS x log2(LANES).
+// Afterwards lane l keeps KEPT slots, p[r] being slot held(l, r); lanes alike in their low H
+// bits hold the same values (float addition is commutative).
+template <int SLOTS, int LANES>
+struct SlotSums {
+    static constexpr int H = log2_of(SLOTS < LANES ? SLOTS : LANES);   // halving exchanges
+    static constexpr int KEPT = SLOTS >> H;
+    static constexpr int HOLDERS = 1 << H;    // lanes 0 .. HOLDERS - 1 hold every slot once
+
+    __device__ static int held(int lane, int r) {   // lane bit k carries slot bit log2(SLOTS) - 1 - k
+        int s = r;
+#pragma unroll
+        for (int k = 0; k < H; ++k) s += ((lane >> k) & 1) * (SLOTS >> (k + 1));
+        return s;
+    }
+
+    __device__ static void over_lanes(float (&p)[SLOTS]) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int k = 0; k < H; ++k) {
+            const int half = SLOTS >> (k + 1);
+            const bool upper = (lane >> k) & 1;
+#pragma unroll
+            for (int r = 0; r < SLOTS / 2; ++r) {   // (a constant trip count: unrolled in full)
+                if (r >= half) break;
+                const float give = pick(upper, p[r], p[r + half]);
+                const float keep = pick(upper, p[r + half], p[r]);
+                p[r] = keep + __shfl_xor_sync(0xffffffffu, give, 1 << k);
+            }
+        }
+#pragma unroll
+        for (int o = HOLDERS; o < LANES; o *= 2)
+#pragma unroll
+            for (int r = 0; r < KEPT; ++r) p[r] += __shfl_xor_sync(0xffffffffu, p[r], o);
+    }
+
+    // After over_lanes (and any levels above it): the slots' binary tree, slot bits low to
+    // high (a lane's own KEPT slots, then across the holders); every lane gets the total.
+    __device__ static float slot_tree(float (&p)[SLOTS]) {
+#pragma unroll
+        for (int w = 1; w < KEPT; w *= 2)
+#pragma unroll
+            for (int r = 0; r < KEPT; r += 2 * w) p[r] += p[r + w];
+        float t = p[0];
+#pragma unroll
+        for (int k = H - 1; k >= 0; --k) t += __shfl_xor_sync(0xffffffffu, t, 1 << k);
+        return t;
+    }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#endif
+
+// The last levels of a cluster's tree: p (SlotSums<SLOTS, WARPS>::over_lanes done) holds this
+// block's slots; sum each slot over the CLUSTER blocks through distributed shared memory, as
+// a binary tree over the rank, then the slots' tree. Every thread of the cluster calls it, in
+// every round (first_round: no call before it in this kernel); the caller then calls
+// cluster_done() before exiting, so no block leaves while another may still read it.
+template <int SLOTS, int WARPS, int CLUSTER>
+__device__ __forceinline__ float cluster_total(float (&p)[SLOTS], bool first_round) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using Warps = SlotSums<SLOTS, WARPS>;
+    __shared__ float block_sums[SLOTS];
+    if (!first_round) cluster_wait();          // every block has read the last round's sums
+    if (threadIdx.x < Warps::HOLDERS) {
+#pragma unroll
+        for (int r = 0; r < Warps::KEPT; ++r) block_sums[Warps::held(threadIdx.x, r)] = p[r];
+    }
+    cluster_arrive();
+    cluster_wait();
+    // lane l reads block l % CLUSTER: each group of CLUSTER lanes reduces the whole cluster
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(block_sums));
+    const unsigned rank = threadIdx.x % CLUSTER;
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    float q[SLOTS];
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s)
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(q[s]) : "r"(remote + 4u * s) : "memory");
+    cluster_arrive();                          // done reading the other blocks
+    using Ranks = SlotSums<SLOTS, CLUSTER>;
+    Ranks::over_lanes(q);
+    return Ranks::slot_tree(q);
+#else
+    __trap();   // clusters need sm_90; the launcher never plans them below
+    return p[0];
+#endif
+}
+
+// The levels above the warps: warp_sums[s][w] is slot s of warp w (slots past `count` count
+// as zeros); the sum per slot over the warps, then over the cluster's blocks, then the slots'
+// tree. Every warp computes it, lane l reading warp l % WARPS (the same total in every thread).
+template <int SLOTS, int WARPS, int CLUSTER>
+__device__ __forceinline__ float block_total(const float (&warp_sums)[SLOTS][WARPS], int count, bool first_round) {
+    const int w = threadIdx.x % WARPS;
+    float p[SLOTS];
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) p[s] = s < count ? warp_sums[s][w] : 0.f;
+    using Warps = SlotSums<SLOTS, WARPS>;
+    Warps::over_lanes(p);
+    if (CLUSTER == 1) return Warps::slot_tree(p);
+    return cluster_total<SLOTS, WARPS, CLUSTER>(p, first_round);
+}
+
+// A row too long for registers is summed an epoch of kEpoch steps at a time: warp_sums[s][w]
+// is step s's sum over warp w's lanes (steps past `count` count as zeros); each step's sum
+// over the warps (by warp s % WARPS), over the cluster's blocks, then the steps' tree. One
+// value per lane at a time: the streamed kernel is short of registers. Every thread calls
+// it, after a __syncthreads (first_round: the row's first epoch). A long row's epochs are
+// then added as a binary counter (push_epoch: level k holds the tree of 2^k epochs), which
+// one thread keeps, and folded at the end with zeros for padding (fold_epochs).
+constexpr int kEpoch = 32;                   // steps per epoch: a warp's lanes hold them all
+constexpr int kEpochLevels = 32;
+
+template <int WARPS, int CLUSTER>
+__device__ __forceinline__ float epoch_total(const float (&warp_sums)[kEpoch][WARPS], int count, bool first_round) {
+    __shared__ float step_sums[kEpoch];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (CLUSTER > 1 && !first_round) cluster_wait();   // every block has read the last epoch's
+#endif
+    for (int s = warp; s < kEpoch; s += WARPS) {
+        float t = s < count ? warp_sums[s][lane % WARPS] : 0.f;
+#pragma unroll
+        for (int o = 1; o < WARPS; o *= 2) t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (lane == 0) step_sums[s] = t;
+    }
+    const float* sums = step_sums;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (CLUSTER > 1) {
+        __shared__ float cluster_sums[kEpoch];
+        cluster_arrive();
+        cluster_wait();
+        const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(step_sums));
+        unsigned remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(lane % CLUSTER));
+        for (int s = warp; s < kEpoch; s += WARPS) {
+            float t;
+            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(t) : "r"(remote + 4u * s) : "memory");
+#pragma unroll
+            for (int o = 1; o < CLUSTER; o *= 2) t += __shfl_xor_sync(0xffffffffu, t, o);
+            if (lane == 0) cluster_sums[s] = t;
+        }
+        cluster_arrive();                        // done reading the other blocks
+        sums = cluster_sums;
+    }
+#endif
+    __syncthreads();
+    float t = sums[lane];
+#pragma unroll
+    for (int o = 1; o < kEpoch; o *= 2) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return t;
+}
+
+__device__ __forceinline__ void push_epoch(float* levels, int index, float t) {
+    int k = 0;
+    for (; (index >> k) & 1; ++k) t = levels[k] + t;
+    levels[k] = t;
+}
+
+__device__ __forceinline__ float fold_epochs(const float* levels, int count) {
+    float t = 0.f;
+    for (int k = 0; (count >> k) != 0; ++k)
+        if ((count >> k) & 1) t = levels[k] + t;
+    return t;
+}
+
 // One element of the head or tail: everything done element-wise.
 template <typename T, typename W, bool FUSED>
 __device__ __forceinline__ float load_scalar(const T* x, const T* res, T* res_out, int j) {
@@ -93,6 +316,23 @@ __device__ __forceinline__ float load_scalar(const T* x, const T* res, T* res_ou
         return to_float(s);
     }
     return to_float(x[j]);
+}
+
+// The tail as the partial vector it is in the canonical tree: its count < VEC elements,
+// element by element, then zeros (whose squares add nothing).
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_partial(const T* p, int count) {
+    Pack<T, VEC> a;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) a.v[e] = e < count ? p[e] : from_float<T>(0.f);
+    return a;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_partial(T* p, const Pack<T, VEC>& a, int count) {
+#pragma unroll
+    for (int e = 0; e < VEC - 1; ++e)
+        if (e < count) p[e] = a.v[e];
 }
 
 // y before its final rounding: x * inv_rms * w (LLAMA: x * inv_rms rounded to T first). The
@@ -155,32 +395,20 @@ __device__ __forceinline__ Pack<T, VEC> finish_vec(const Pack<T, VEC>& a, const 
     return scale_vec<T, W, VEC>(a, wv, inv_rms, flags);
 }
 
-// The sum of `part` over the CLUSTER blocks of this block's cluster, through distributed shared
-// memory; the same value, added in the same order, in every block. Every thread of the
-// cluster calls it once; the caller then calls cluster_done() before exiting, so no block
-// leaves while another may still read its shared memory.
-template <int CLUSTER>
-__device__ __forceinline__ float cluster_sum(float part) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    __shared__ float slot;
-    if (threadIdx.x == 0) slot = part;
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(&slot));
-    float total = 0.f;
+// Normalize the tail (count < VEC elements from j0): from registers, or (streaming) re-read
+// from src (x, or residual_out where this thread wrote it).
+template <typename T, typename W, int VEC>
+__device__ __forceinline__ void finish_tail(const Pack<T, VEC>& a, T* y, const W* w, int j0, int count, float inv_rms,
+                                            float w_offset, int flags) {
 #pragma unroll
-    for (unsigned r = 0; r < CLUSTER; ++r) {
-        unsigned remote;
-        float v;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-        total += v;
-    }
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-    return total;
-#else
-    __trap();   // clusters need sm_90; the launcher never plans them below
-    return part;
-#endif
+    for (int e = 0; e < VEC - 1; ++e)
+        if (e < count) y[j0 + e] = normalize<T, W>(to_float(a.v[e]), inv_rms, weight_at(w, j0 + e, w_offset, flags), flags);
+}
+
+template <typename T, typename W, int VEC>
+__device__ __forceinline__ void finish_tail(const T* src, T* y, const W* w, int j0, int count, float inv_rms,
+                                            float w_offset, int flags) {
+    finish_tail<T, W, VEC>(load_partial<T, VEC>(src + j0, count), y, w, j0, count, inv_rms, w_offset, flags);
 }
 
 __device__ __forceinline__ void cluster_done() {
@@ -351,9 +579,9 @@ struct RowState {
     const Pack<W, VEC> (&wk)[PREFETCH_W ? THREAD_VECS : 1];
     const T* src;                   // streamed rows re-read their body here (residual_out when fused)
     const W* w;
-    int head, n_body, first, step, tail_start, tid;
-    bool has_head, has_tail, w_vec, prefetch_w;
-    float head_v, tail_v, head_w, tail_w, w_offset;
+    int head, n_body, first, step, tail_at, tail, tid;   // tail_at: the tail's start from the body's
+    bool has_head, has_tail, w_vec, prefetch_w;          // has_tail: this thread owns the tail's vector
+    float head_v, head_w, w_offset;
     int flags;
     float inv_rms;
 
@@ -367,8 +595,17 @@ struct RowState {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) y[e] = normalized<T>(to_float(a.v[e]), inv_rms, wv[e], flags);
     }
+    // y of the tail's partial vector (this thread's k-th; elements past the row: 0)
+    __device__ __forceinline__ void tail_y(int k, float (&y)[VEC]) const {
+        const Pack<T, VEC> a = THREAD_VECS > 0 ? keep[THREAD_VECS > 0 ? k : 0]
+                                               : load_partial<T, VEC>(src + head + tail_at, tail);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+            y[e] = e < tail ? normalized<T>(to_float(a.v[e]), inv_rms, weight_at(w + head, tail_at + e, w_offset, flags),
+                                            flags)
+                            : 0.f;
+    }
     __device__ __forceinline__ float head_y() const { return normalized<T>(head_v, inv_rms, head_w, flags); }
-    __device__ __forceinline__ float tail_y() const { return normalized<T>(tail_v, inv_rms, tail_w, flags); }
 };
 
 // The kernel arguments of a quantized launch, for norm_row.
@@ -390,6 +627,19 @@ __device__ __forceinline__ void each_body_vector(const Body& row, F&& f) {
     } else {
 #pragma unroll 4
         for (int v = row.first; v < row.n_body; v += row.step) f(0, v);
+    }
+}
+
+// f(k) for the thread owning the tail's partial vector (its k-th; 0 when streamed).
+template <int THREAD_VECS, class Row, class F>
+__device__ __forceinline__ void with_tail(const Row& row, F&& f) {
+    if (!row.has_tail) return;
+    if (THREAD_VECS > 0) {
+#pragma unroll
+        for (int k = 0; k < (THREAD_VECS > 0 ? THREAD_VECS : 1); ++k)
+            if (row.first + k * row.step == row.n_body) f(k);
+    } else {
+        f(0);
     }
 }
 
@@ -460,7 +710,12 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
         } else {                        // kPerToken: a first pass for the row's max |y|
             float m = 0.f;
             if (row.has_head) m = fabsf(row.head_y());
-            if (row.has_tail) m = fmaxf(m, fabsf(row.tail_y()));
+            with_tail<THREAD_VECS>(row, [&](int k) {
+                float y[VEC];
+                row.tail_y(k, y);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) m = fmaxf(m, fabsf(y[e]));
+            });
             each_body_vector<VEC, ROW_THREADS, THREAD_VECS>(row, [&](int k, int v) {
                 float y[VEC];
                 row.body_y(k, v, y);
@@ -472,7 +727,14 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
             inv_scale = 1.0f / s;
         }
         if (row.has_head) qr[row.tid] = quantize<QTYPE>(row.head_y() * inv_scale);
-        if (row.has_tail) qr[row.tail_start + row.tid] = quantize<QTYPE>(row.tail_y() * inv_scale);
+        with_tail<THREAD_VECS>(row, [&](int k) {
+            float y[VEC];
+            row.tail_y(k, y);
+            unsigned char* qt = qr + row.head + row.tail_at;
+#pragma unroll
+            for (int e = 0; e < VEC - 1; ++e)
+                if (e < row.tail) qt[e] = quantize<QTYPE>(y[e] * inv_scale);
+        });
         each_body_vector<VEC, ROW_THREADS, THREAD_VECS>(row, [&](int k, int v) {
             float y[VEC];
             row.body_y(k, v, y);
@@ -492,9 +754,13 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                                          const QuantArgs& quant = QuantArgs()) {
     using VecT = Pack<T, VEC>;
     constexpr int WARPS = ROW_THREADS > 32 ? ROW_THREADS / 32 : 1;
-    static_assert(ROW_THREADS >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
+    constexpr int SLOTS = THREAD_VECS > 0 ? THREAD_VECS : kEpoch;   // partial sums per thread
+    static_assert(ROW_THREADS >= VEC, "a group must cover a head of up to VEC - 1 elements");
     static_assert(CLUSTER == 1 || ROW_THREADS > 32, "clusters split rows of a block each");
-    __shared__ float warp_sums[WARPS];
+    static_assert(THREAD_VECS > 0 || ROW_THREADS > 32, "a streamed row has a block of its own");
+    static_assert((ROW_THREADS & (ROW_THREADS - 1)) == 0 && (SLOTS & (SLOTS - 1)) == 0 && (CLUSTER & (CLUSTER - 1)) == 0,
+                  "the canonical tree needs power-of-two splits");
+    __shared__ float warp_sums[SLOTS][WARPS];   // slot s of warp w
 
     const int hidden = p.hidden, flags = p.flags;
     const float w_offset = p.weight_offset;
@@ -511,8 +777,11 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
 
     // Head: elements before x's row reaches a 16-byte boundary (all arrays share that
     // alignment pattern, the launcher made sure); tail: what is left after the last whole
-    // vector. Both are shorter than VEC <= ROW_THREADS, so a thread holds at most one
-    // element of each, in a register; with a cluster, block 0 takes them.
+    // vector. Both are shorter than VEC <= ROW_THREADS. The head's elements go one to a
+    // thread, in a register (with a cluster, block 0 takes them); the tail is the partial
+    // vector of index n_body, which the thread owning that index takes, as the canonical
+    // tree has it. (A row with a head is summed in a tree of its own: its vectors do not
+    // start on the canonical tree's.)
     int head = 0, n_body = hidden / VEC, tail_start = hidden;
     if (EDGES) {
         const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
@@ -520,34 +789,50 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
         n_body = (hidden - head) / VEC;
         tail_start = head + n_body * VEC;
     }
-    const bool has_head = EDGES && active && rank == 0 && tid < head;
-    const bool has_tail = EDGES && active && rank == 0 && tid < hidden - tail_start;
-    const bool w_vec = (flags & kHasWeight) &&
-        ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
+    const int tail = hidden - tail_start;
     const int first = rank * ROW_THREADS + tid;  // this thread's first body vector
     constexpr int STEP = ROW_THREADS * CLUSTER;  // and the stride between its vectors
+    const bool has_head = EDGES && active && rank == 0 && tid < head;
+    const bool has_tail = EDGES && active && tail > 0 && first <= n_body && (n_body - first) % STEP == 0;
+    const bool w_vec = (flags & kHasWeight) &&
+        ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
 
-    float ss = 0.f, head_v = 0.f, tail_v = 0.f, head_w = 1.f, tail_w = 1.f;
+    float total, head_v = 0.f;                   // the row's sum of squares; this thread's head element
     VecT keep[THREAD_VECS > 0 ? THREAD_VECS : 1];   // the row's body, kept for the second pass
     // Short rows: the weights are fetched with the row, not after the reduction, so their
     // latency is off the critical path (only where registers allow).
     constexpr bool PREFETCH_W = THREAD_VECS == 1;
     Pack<W, VEC> wk[PREFETCH_W ? THREAD_VECS : 1];
     const bool prefetch_w = PREFETCH_W && w_vec;
-    const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
-    const VecT* rv = reinterpret_cast<const VecT*>(rr + head);
-    VecT* rov = reinterpret_cast<VecT*>(ror + head);
+    // the body's start in each array; the head and tail are addressed from it (fewer live pointers)
+    const T* xb = xr + head;
+    const T* rb = FUSED ? rr + head : nullptr;
+    T* rob = FUSED ? ror + head : nullptr;
+    const VecT* xv = reinterpret_cast<const VecT*>(xb);
+    const VecT* rv = reinterpret_cast<const VecT*>(rb);
+    VecT* rov = reinterpret_cast<VecT*>(rob);
+    const int tail_at = n_body * VEC;            // the tail's start, from the body's
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
     wait_for_previous_kernel();                  // no global memory access before this
     if (flags & kEarlyTrigger) allow_next_kernel();
     const float static_scale = FORM == kStatic ? *quant.scale : 0.f;   // issued early, used at the end
-    if (active) {
-        if (THREAD_VECS > 0) {
+    if constexpr (THREAD_VECS > 0) {
+        float part[SLOTS];                       // slot i: the squares of this thread's vector i
+#pragma unroll
+        for (int i = 0; i < SLOTS; ++i) part[i] = 0.f;
+        if (active) {
             VecT other[FUSED && THREAD_VECS > 0 ? THREAD_VECS : 1];
 #pragma unroll
             for (int i = 0; i < THREAD_VECS; ++i) {   // issue every body load before the first use
                 const int v = first + i * STEP;
-                if (v < n_body) { keep[i] = xv[v]; if (FUSED) other[i] = rv[v]; }
+                if (v < n_body) {
+                    keep[i] = xv[v];
+                    if (FUSED) other[i] = rv[v];
+                } else if (EDGES && v == n_body) {       // the tail, in the same registers
+                    keep[i] = load_partial<T, VEC>(xb + tail_at, tail);
+                    if (FUSED) other[i] = load_partial<T, VEC>(rb + tail_at, tail);
+                }
             }
             if (prefetch_w) {
 #pragma unroll
@@ -556,79 +841,129 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                     if (v < n_body) wk[i] = reinterpret_cast<const Pack<W, VEC>*>(w + head)[v];
                 }
             }
-            // head and tail loads go out while the body loads are in flight
-            if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
-            if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
+            // the head's load goes out while the body loads are in flight
+            if (has_head) head_v = load_scalar<T, W, FUSED>(xb, rb, rob, tid - head);
+            const float head_ss = square(head_v);
 #pragma unroll
             for (int i = 0; i < THREAD_VECS; ++i) {
                 const int v = first + i * STEP;
-                if (v < n_body) {
+                if (v < n_body || (EDGES && v == n_body)) {
                     if (FUSED) {
 #pragma unroll
                         for (int e = 0; e < VEC; ++e)
                             keep[i].v[e] = from_float<T>(to_float(keep[i].v[e]) + to_float(other[FUSED ? i : 0].v[e]));
-                        rov[v] = keep[i];
+                        if (v < n_body) rov[v] = keep[i];
+                        else store_partial<T, VEC>(rob + tail_at, keep[i], tail);
                     }
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) { float f = to_float(keep[i].v[e]); ss += f * f; }
+                    part[i] = vector_squares<T, VEC>(keep[i]);
                 }
             }
-        } else {
-            if (has_head) head_v = load_scalar<T, W, FUSED>(xr, rr, ror, tid);
-            if (has_tail) tail_v = load_scalar<T, W, FUSED>(xr, rr, ror, tail_start + tid);
-#pragma unroll 4
-            for (int v = first; v < n_body; v += STEP) {
-                VecT a = xv[v];
-                if (FUSED) {
-                    VecT b = rv[v];
+            if (has_head) part[0] += head_ss;
+        }
+        using Lanes = SlotSums<SLOTS, (ROW_THREADS < 32 ? ROW_THREADS : 32)>;
+        Lanes::over_lanes(part);
+        if (ROW_THREADS <= 32) {
+            total = Lanes::slot_tree(part);
+        } else {                                 // one row per block: on to the warps
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e)
-                        a.v[e] = from_float<T>(to_float(a.v[e]) + to_float(b.v[e]));
-                    rov[v] = a;
+            for (int r = 0; r < Lanes::KEPT; ++r)
+                if (lane < Lanes::HOLDERS) warp_sums[Lanes::held(lane, r)][warp] = part[r];
+            __syncthreads();
+            total = block_total<SLOTS, WARPS, CLUSTER>(warp_sums, SLOTS, true);
+        }
+    } else {
+        // Streamed: an unbounded number of steps i. BATCH steps at a time are summed over the
+        // lanes; their warp sums wait in shared memory for the rest of an epoch of kEpoch steps.
+        constexpr int BATCH = FUSED ? 2 : 4;   // (FUSED: two arrays' loads in flight)
+        static_assert(kEpoch % BATCH == 0, "epochs of whole batches");
+        using Lanes = SlotSums<BATCH, 32>;
+        __shared__ float epoch_levels[kEpochLevels], row_total;
+        const int n_vec = n_body + (tail > 0);   // vectors, the tail's included
+        const int steps = n_vec / STEP + (n_vec % STEP != 0);
+        const float head_ss = has_head ? square(load_scalar<T, W, FUSED>(xb, rb, rob, tid - head)) : 0.f;
+#pragma unroll 1
+        for (int e0 = 0; e0 < steps; e0 += kEpoch) {
+            const int count = min(kEpoch, steps - e0);
+#pragma unroll 1
+            for (int b0 = 0; b0 < count; b0 += BATCH) {
+                const unsigned v0 = first + unsigned(e0 + b0) * STEP;   // (unsigned: no overflow past the row)
+                // Issue the batch's loads before the first use; unchecked where the whole batch
+                // is in the row (all but the last), so that they can all go out at once.
+                const bool whole = active && v0 + (BATCH - 1) * STEP < unsigned(n_body);
+                VecT a[BATCH], b[FUSED ? BATCH : 1];
+                if (whole) {
+#pragma unroll
+                    for (int k = 0; k < BATCH; ++k) { a[k] = xv[v0 + k * STEP]; if (FUSED) b[FUSED ? k : 0] = rv[v0 + k * STEP]; }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < BATCH; ++k) {
+                        const unsigned v = v0 + k * STEP;
+                        if (active && v < unsigned(n_body)) {
+                            a[k] = xv[v];
+                            if (FUSED) b[FUSED ? k : 0] = rv[v];
+                        } else if (EDGES && has_tail && v == unsigned(n_body)) {
+                            a[k] = load_partial<T, VEC>(xb + tail_at, tail);
+                            if (FUSED) b[FUSED ? k : 0] = load_partial<T, VEC>(rb + tail_at, tail);
+                        }
+                    }
                 }
+                float part[BATCH];
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) { float f = to_float(a.v[e]); ss += f * f; }
+                for (int k = 0; k < BATCH; ++k) {
+                    const unsigned v = v0 + k * STEP;
+                    const bool is_tail = EDGES && !whole && has_tail && v == unsigned(n_body);
+                    part[k] = e0 + b0 + k == 0 ? head_ss : 0.f;
+                    if (whole || (active && v < unsigned(n_body)) || is_tail) {
+                        if (FUSED) {
+#pragma unroll
+                            for (int e = 0; e < VEC; ++e)
+                                a[k].v[e] = from_float<T>(to_float(a[k].v[e]) + to_float(b[FUSED ? k : 0].v[e]));
+                            if (is_tail) store_partial<T, VEC>(rob + tail_at, a[k], tail);
+                            else rov[v] = a[k];
+                        }
+                        part[k] += vector_squares<T, VEC>(a[k]);
+                    }
+                }
+                Lanes::over_lanes(part);
+                if (lane < BATCH) warp_sums[b0 + Lanes::held(lane, 0)][warp] = part[0];
             }
+            __syncthreads();
+            const float t = epoch_total<WARPS, CLUSTER>(warp_sums, count, e0 == 0);
+            if (steps <= kEpoch) total = t;      // one epoch: the usual case
+            else if (threadIdx.x == 0) push_epoch(epoch_levels, e0 / kEpoch, t);
         }
-        if (EDGES) {
-            ss += head_v * head_v + tail_v * tail_v;
-            if (has_head) head_w = weight_at(w, tid, w_offset, flags);
-            if (has_tail) tail_w = weight_at(w, tail_start + tid, w_offset, flags);
+        if (steps > kEpoch) {
+            if (threadIdx.x == 0) row_total = fold_epochs(epoch_levels, steps / kEpoch + (steps % kEpoch != 0));
+            __syncthreads();
+            total = row_total;
         }
     }
-
-    ss = group_sum<ROW_THREADS>(ss);
-    if (ROW_THREADS > 32) {                      // one row per block: add up the warps
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        if (lane == 0) warp_sums[warp] = ss;
-        __syncthreads();
-        ss = lane < WARPS ? warp_sums[lane] : 0.f;
-        ss = group_sum<32>(ss);
-    }
-    if (CLUSTER > 1) ss = cluster_sum<CLUSTER>(ss);   // and the blocks of the cluster
     if (!active) return;                         // (never with a cluster: it shares one row)
-    const float inv_rms = rsqrtf(ss / (float)hidden + p.eps);
-    if (FORM != kPlain) {
+    const float inv_rms = rsqrtf(total / (float)hidden + p.eps);
+    if constexpr (FORM != kPlain) {
+        // the head element and its weight, as the plain output below takes them
+        const float head_x = has_head ? (THREAD_VECS == 0 ? to_float((FUSED ? rob : xb)[tid - head]) : head_v) : 0.f;
+        const float head_w = has_head ? weight_at(w + head, tid - head, w_offset, flags) : 1.f;
         const RowState<T, W, VEC, THREAD_VECS, PREFETCH_W> row{
-            keep, wk, FUSED ? ror : xr, w, head, n_body, first, STEP, tail_start, tid, has_head, has_tail, w_vec,
-            prefetch_w, head_v, tail_v, head_w, tail_w, w_offset, flags, inv_rms};
+            keep, wk, FUSED ? ror : xr, w, head, n_body, first, STEP, tail_at, tail, tid, has_head, has_tail, w_vec,
+            prefetch_w, head_x, head_w, w_offset, flags, inv_rms};
         store_quantized<VEC, ROW_THREADS, THREAD_VECS, CLUSTER, FORM, QTYPE>(
             row, quant.q + outer * p.out.outer + inner * p.out.inner, static_scale, quant, r, rank);
         return;
     }
 
-    if (has_head) yr[tid] = normalize<T, W>(head_v, inv_rms, head_w, flags);
-    if (has_tail) yr[tail_start + tid] = normalize<T, W>(tail_v, inv_rms, tail_w, flags);
     // The body comes from registers, or (streaming) is re-read: from residual_out when
     // FUSED, where this same thread wrote the rounded sum.
-    const T* src = FUSED ? ror : xr;
-    VecT* yv = reinterpret_cast<VecT*>(yr + head);
-    const VecT* sv = reinterpret_cast<const VecT*>(src + head);
+    T* yb = yr + head;
+    const T* sb = FUSED ? rob : xb;
+    VecT* yv = reinterpret_cast<VecT*>(yb);
+    const VecT* sv = reinterpret_cast<const VecT*>(sb);
     const W* wb = w + head;
     if (THREAD_VECS > 0) {
 #pragma unroll
         for (int i = 0; i < THREAD_VECS; ++i) {
             const int v = first + i * STEP;
+            if (EDGES && v == n_body) finish_tail<T, W, VEC>(keep[i], yb, wb, tail_at, tail, inv_rms, w_offset, flags);
             if (v >= n_body) continue;
             if (prefetch_w) {
                 float wv[VEC];
@@ -645,6 +980,13 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
             yv[v] = finish_vec<T, W, VEC>(a, wb, v, w_vec, inv_rms, w_offset, flags);
         }
     }
+    // The head comes last (a streamed row re-reads it, and its tail, as it does the body).
+    if (has_head) {
+        const int j = tid - head;                // (< 0: before the body)
+        if (THREAD_VECS == 0) head_v = to_float(sb[j]);
+        yb[j] = normalize<T, W>(head_v, inv_rms, weight_at(wb, j, w_offset, flags), flags);
+    }
+    if (THREAD_VECS == 0 && has_tail) finish_tail<T, W, VEC>(sb, yb, wb, tail_at, tail, inv_rms, w_offset, flags);
 }
 
 // The grid has one block per group of rows_per_block rows (blockDim.x / ROW_THREADS), in x

@@ -8,8 +8,9 @@ every dtype, both ops, both casting modes, weights of x's dtype / float32 / none
 weight_offset 0 and 1), rows starting at odd element offsets (in place, and out of place
 into a contiguous output: vector width 1), strided rows, a two-level (tokens, heads,
 head_dim) view, and grids split into rows of blocks with surplus blocks (the split made
-to happen at 8 blocks instead of 2**31). Row counts stay small so racecheck finishes;
---quick keeps fewer layouts.
+to happen at 8 blocks instead of 2**31), and forced plans: streamed rows of several epochs
+(alone and in a cluster) and a cluster with spare vector slots. Row counts stay small so
+racecheck finishes; --quick keeps fewer layouts.
 
 Every array is its own cudaMalloc (CuPy's memory pool is switched off) and every view
 ends where its allocation ends (and the unshifted ones start where it starts), so
@@ -32,7 +33,7 @@ from gpu_reference import to_device, to_host
 from helpers import DTYPES, HOST_ATOL, HOST_RTOL, MODES, OPS
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _launcher, _plan
+from cupy_rmsnorm import _driver, _launcher, _plan
 
 WEIGHTS = ((None, 0.0), ("same", 0.0), ("float32", 1.0), ("same", 1.0), ("float32", 0.0))
 HIDDEN = (1, 7, 1000, 4095, 33001)   # warp groups; block per row (both widths); clusters
@@ -42,6 +43,12 @@ ROWS = 5                  # 5 rows of 33001: a cluster of 8 blocks per row
 # (rows, hidden) of the split-grid pass: warp groups, blocks, 70 streamed rows (too many
 # rows for clusters), 37 rows in clusters of 2 (streamed for the fused op)
 SPLIT_CASES = ((300, 7), (37, 1000), (70, 33001), (37, 33001))
+# (rows, hidden, forced plan) of the forced pass: streamed rows of several epochs (32 steps
+# each: shared memory reused, the epochs' counter), alone and in a cluster of 2, and a
+# cluster with more vector slots than the row needs
+FORCED_CASES = ((3, 33001, dict(threads_per_row=64, vecs_per_thread=0)),
+                (2, 33001, dict(threads_per_row=64, vecs_per_thread=0, cluster=2)),
+                (3, 1000, dict(threads_per_row=64, vecs_per_thread=4, cluster=2)))
 
 SHAPES = {"warp", "block", "stream", "cluster"}
 
@@ -159,6 +166,16 @@ def run_grid(args):
         wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
     _plan.MAX_GRID_X, _plan.GRID_ROW = grid_limits
     _launcher.clear_cache()
+
+    clusters = _driver.device(0).max_cluster > 1
+    for i, (dtype_name, op, (rows, hidden, forced), layout) in enumerate(
+            itertools.product(DTYPES, OPS, FORCED_CASES, ("contiguous", "offset_inplace"))):
+        if forced.get("cluster", 1) > 1 and not clusters:
+            continue
+        wkind, woff = WEIGHTS[i % len(WEIGHTS)]
+        calls += 1
+        with _launcher.forced_plan(**forced):
+            wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
     return wrong, calls
 
 

@@ -246,6 +246,37 @@ def test_heaviest_instantiations_compile_with_library_options(arch):
         _check_batch(results[(arch, d)], pairs)
 
 
+def _register_variants(dtype):
+    """Per op, edges, vectors per thread and plan kind, the register plan with the most
+    threads per row at full width (the plan kinds share their code; the group size changes
+    little else), with a float32 weight and with x's dtype."""
+    best = {}
+    for fused in (False, True):
+        for plan in _plans(dtype, fused).values():
+            if plan.variant != "registers" or plan.vec != max(VECS[dtype]):
+                continue
+            key = (fused, plan.edges, plan.vecs_per_thread, plan_kind(plan))
+            if key not in best or plan.threads_per_row > best[key].threads_per_row:
+                best[key] = plan
+    return sorted({instantiation_name(dtype, w, key[0], p) for key, p in best.items() for w in ("float32", dtype)})
+
+
+def test_register_variants_do_not_spill():
+    """ptxas -v at the library's own options (sm_90): no spill stores in the register variants
+    (the row kept in registers must stay there)."""
+    def spills(dtype):
+        names = _register_variants(dtype)
+        log = []
+        _compile.compile_offline(names, "sm_90", "forward", ("-Xptxas=-v",), log)
+        found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", log[0].replace("\0", ""), re.S)
+        assert len(found) == len(names)
+        return [f for f in found if f[1] != "0"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(CUDA_TYPES)) as pool:
+        for dtype, bad in zip(CUDA_TYPES, pool.map(spills, CUDA_TYPES)):
+            assert not bad, (dtype, bad)
+
+
 def test_enumeration_is_complete():
     """Scanning every vector count up to past the stream boundary (then powers of two and
     one past them, for the cluster sizes), at row counts around each threshold of the

@@ -16,7 +16,7 @@ A100_SMS = 108
 
 # (rows, hidden, itemsize, vec, sm_count, fused, max_cluster) -> (variant, threads_per_row,
 # vecs_per_thread, rows_per_block, block, grid, cluster), worked out by hand from
-# launch_plan's docstring. With n = hidden // vec vectors per row:
+# launch_plan's docstring. With n = ceil(hidden / vec) vectors per row (a partial one counts):
 # - n <= 64 (128 for rms_norm): G = next power of two of n / t within [8, 32], t = 4 for
 #   rms_norm past 32 vectors, else 2; 256-thread blocks of 256 / G rows;
 # - rows <= 256: cluster C = 1 for n <= 512, else the largest power of two <= max_cluster
@@ -52,8 +52,10 @@ PLAN_TABLE = [
     ((64, 16384, 2, 8, H200_SMS, True, 1), ("registers", 1024, 2, 1, 1024, 64, 1)),    # 512 x 4 > 2 each
     ((64, 16384, 2, 8, H200_SMS, True, 8), ("registers", 512, 2, 1, 512, 128, 2)),
     ((64, 32768, 2, 8, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 64, 1)),   # n = 4096
-    ((3, 8193, 2, 2, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 3, 1)),      # n = 4096
-    ((3, 8193, 2, 2, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 24, 8)),
+    ((3, 8192, 2, 2, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 3, 1)),      # n = 4096
+    ((3, 8192, 2, 2, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 24, 8)),
+    ((3, 8193, 2, 2, H200_SMS, False, 1), ("stream", 1024, 0, 1, 1024, 3, 1)),         # n = 4097: the tail's
+    ((3, 8193, 2, 2, H200_SMS, False, 8), ("registers", 512, 2, 1, 512, 24, 8)),       # vector counts
     # many rows: n / 4 threads for rms_norm past 256 vectors, n / 2 otherwise
     ((300, 4096, 2, 8, H200_SMS, False, 8), ("registers", 128, 4, 1, 128, 300, 1)),
     ((1000, 4096, 2, 8, 1, False, 1), ("registers", 128, 4, 1, 128, 1000, 1)),
@@ -126,6 +128,37 @@ def test_launch_plan_rejects_impossible_choices():
         rn.launch_plan(4, 4095, 2, 8, H200_SMS, edges=False)
     with pytest.raises(ValueError, match="more than 32 threads"):
         rn.launch_plan(4, 256, 2, 8, H200_SMS, cluster=2)     # a warp group per row
+    with pytest.raises(ValueError, match="streamed row needs more than 32 threads"):
+        rn.launch_plan(4, 256, 2, 8, H200_SMS, threads_per_row=32, vecs_per_thread=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(threads_per_row=48), "threads_per_row must be a power of two"),
+    (dict(threads_per_row=2048), "threads_per_row must be a power of two up to 1024"),
+    (dict(threads_per_row=0), "threads_per_row"),
+    (dict(vecs_per_thread=3), "vecs_per_thread must be a power of two"),
+    (dict(vecs_per_thread=-1), "vecs_per_thread"),
+    (dict(cluster=3), "cluster must be a power of two"),
+    (dict(cluster=16), "cluster must be a power of two up to 8"),
+    (dict(threads_per_row=64, vecs_per_thread=4), "do not cover a row of 512 vectors"),
+    (dict(threads_per_row=128, vecs_per_thread=2, cluster=1), "do not cover"),
+])
+def test_launch_plan_rejects_forced_choices_off_the_tree(overrides, message):
+    """Forced choices split the row in powers of two and cover it (the canonical tree's
+    shape), or launch_plan says which one does not."""
+    with pytest.raises(ValueError, match=message):
+        rn.launch_plan(4096, 4096, 2, 8, H200_SMS, **overrides)
+
+
+def test_the_tail_vector_is_covered():
+    """A hidden size past a whole number of vectors counts the partial vector: the thread
+    that owns its index exists in every register plan."""
+    for hidden in range(1, 5000, 37):
+        for vec in (2, 4, 8):
+            for rows in (1, 300, 10 ** 5):
+                p = rn.launch_plan(rows, hidden, 2, vec, H200_SMS, max_cluster=8)
+                if p.vecs_per_thread:
+                    assert p.threads_per_row * p.vecs_per_thread * p.cluster >= -(-hidden // vec), (hidden, vec, p)
 
 
 def _sampled_hidden_sizes():
@@ -148,7 +181,7 @@ def test_launch_plan_properties():
     count = 0
     for hidden in _sampled_hidden_sizes():
         for itemsize, vec in ((2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)):
-            n = hidden // vec
+            n = -(-hidden // vec)          # vectors, a partial last one included
             count += 1   # rows, SM count and fused cycle with the hidden sizes
             for rows, sms, fused, max_cluster in (grids[count % len(grids)], grids[(count * 7 + 3) % len(grids)]):
                 p = rn.launch_plan(rows, hidden, itemsize, vec, sms, fused, max_cluster=max_cluster)

@@ -25,9 +25,10 @@ def rand(shape, dtype, seed=0, scale=1.0):
 
 
 def y_of(x, weight, eps=1e-6, weight_offset=0.0, mode="fp32"):
-    """y before the final rounding, written out here in float32 on its own."""
+    """y before the final rounding, written out here in float32 on its own (the sum of squares
+    in the contract's canonical order)."""
     xf = x.astype(np.float32)
-    inv = np.float32(1) / np.sqrt(np.sum(xf * xf, -1, keepdims=True, dtype=np.float32) / np.float32(x.shape[-1])
+    inv = np.float32(1) / np.sqrt(R.canonical_sum_of_squares(xf)[..., None] / np.float32(x.shape[-1])
                                   + np.float32(eps))
     n = xf * inv
     if mode == "llama":
