@@ -220,11 +220,23 @@ def _run_numpy_backward(fused, arrays, scalars, weight_grad):
 _compiling = None
 
 
+def _refuse_unregistered_trace():
+    """torch was imported after this library and no tensor has reached it yet, so the torch
+    ops are not registered; registering them now would happen inside dynamo's trace, which
+    cannot import them. Say so, rather than let dynamo trip over this module's Python."""
+    if sys.modules["torch"].compiler.is_dynamo_compiling():
+        raise RuntimeError("torch.compile is tracing a cupy_rmsnorm call before the library's torch ops were "
+                           "registered (torch was imported after cupy_rmsnorm, and no tensor has been passed "
+                           "yet): import cupy_rmsnorm.torch before compiling")
+
+
 def _call(fused, arrays, eps, weight_offset, casting_mode):
     """``arrays``: the five in ``Arrays`` order, as a plain tuple (naming them costs a
     NamedTuple's construction, about 0.3 us, on every call; the full path names them)."""
     if _compiling is not None and _compiling():
         return sys.modules["cupy_rmsnorm._torch_ops"].call(fused, arrays, eps, weight_offset, casting_mode)
+    if _compiling is None and "torch" in sys.modules:
+        _refuse_unregistered_trace()
     # Fast path: a signature seen before needs only the pointer-dependent checks.
     signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
     launcher = _launcher.lookup(signature)
@@ -276,6 +288,8 @@ def _quant_call(fused, arrays, eps, weight_offset, casting_mode, group_size, sca
     if _compiling is not None and _compiling():
         return sys.modules["cupy_rmsnorm._torch_ops"].call_quant(fused, arrays, eps, weight_offset, casting_mode,
                                                                  group_size, scale_ub, quant_dtype)
+    if _compiling is None and "torch" in sys.modules:
+        _refuse_unregistered_trace()
     quant = (group_size, scale_ub, quant_dtype)
     signature = _interop.quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant)
     launcher = _launcher.lookup(signature)

@@ -509,6 +509,8 @@ def test_compiled_matches_eager(mode):
     """torch.compile(fullgraph=True) of a step with the quant ops (CUDA graphs with
     reduce-overhead): the eager bits, with a static scale changed between replays."""
     import torch
+
+    import cupy_rmsnorm.torch  # noqa: F401 - registers the torch ops before compiling (torch came later)
     torch._dynamo.reset()
     w = 1 + 0.1 * _torch_inputs((4096,), torch.bfloat16, 7)
     scale = torch.full((1,), 0.02, device="cuda")

@@ -264,3 +264,16 @@ def test_patched_llama_generates_with_the_static_cache(fuse_residual):
         static = model.generate(ids, cache_implementation="static", **kwargs)
     assert static.shape == eager.shape
     assert (static == eager).float().mean() >= 0.9, (static, eager)   # near ties may flip
+
+
+def test_compiling_before_the_ops_are_registered_says_what_to_do():
+    """torch imported after cupy_rmsnorm and compiled before any tensor reached it: a
+    RuntimeError naming the fix, not dynamo tripping over the library's Python."""
+    import subprocess
+    import sys
+    code = ("import cupy_rmsnorm as rn\nimport torch\n"
+            "f = torch.compile(lambda x: rn.rms_norm(x * 2), fullgraph=True)\n"
+            "f(torch.ones(2, 8))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "import cupy_rmsnorm.torch before compiling" in done.stderr, done.stderr[-2000:]
