@@ -235,7 +235,7 @@ def _call(fused, arrays, eps, weight_offset, casting_mode):
     NamedTuple's construction, about 0.3 us, on every call; the full path names them)."""
     if _compiling is not None and _compiling():
         return sys.modules["cupy_rmsnorm._torch_ops"].call(fused, arrays, eps, weight_offset, casting_mode)
-    if _compiling is None and "torch" in sys.modules:
+    if _compiling is None and sys.modules.get("torch") is not None:
         _refuse_unregistered_trace()
     # Fast path: a signature seen before needs only the pointer-dependent checks.
     signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
@@ -288,7 +288,7 @@ def _quant_call(fused, arrays, eps, weight_offset, casting_mode, group_size, sca
     if _compiling is not None and _compiling():
         return sys.modules["cupy_rmsnorm._torch_ops"].call_quant(fused, arrays, eps, weight_offset, casting_mode,
                                                                  group_size, scale_ub, quant_dtype)
-    if _compiling is None and "torch" in sys.modules:
+    if _compiling is None and sys.modules.get("torch") is not None:
         _refuse_unregistered_trace()
     quant = (group_size, scale_ub, quant_dtype)
     signature = _interop.quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant)
