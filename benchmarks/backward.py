@@ -145,6 +145,7 @@ def write_report(out, payload):
     """backward.md (the table per mode, with the run's device and versions) and, with
     matplotlib, backward_<mode>.png: each implementation's GPU time over the copy floor's,
     per shape and dtype (1.0 = the speed of a device copy of the same bytes)."""
+    os.makedirs(out, exist_ok=True)
     results = payload["results"]
     modes = [m for m in ("graph", "cold") if any(r.get("mode", "graph") == m for r in results)]
     device = payload.get("device", {})
