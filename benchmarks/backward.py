@@ -117,15 +117,8 @@ def agreement(x, w, dy):
 
 def measure(runner, fn, nbytes, bandwidth, args, mode="graph", scratch=None):
     from cupy_rmsnorm.bench import timing
-    timing.warm_up(runner, fn)
-    if mode == "cold":
-        timer = timing.ColdTimer(runner, fn, scratch)
-    else:
-        timer = timing.GraphTimer(runner, fn, timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us))
-    try:
-        return timing.measure(timer, args.repeats)
-    finally:
-        timer.close()
+    calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
+    return timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
 
 
 def table(rows):

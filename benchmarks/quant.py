@@ -150,13 +150,8 @@ def agreement(fn_ours, fn_ref):
 
 def measure(runner, fn, nbytes, bandwidth, args):
     from cupy_rmsnorm.bench import timing
-    timing.warm_up(runner, fn)
     calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
-    timer = timing.GraphTimer(runner, fn, calls)
-    try:
-        return timing.measure(timer, args.repeats)
-    finally:
-        timer.close()
+    return timing.timed_us(runner, fn, "graph", calls, args.repeats)
 
 
 def table(rows):

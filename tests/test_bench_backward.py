@@ -1,20 +1,12 @@
 """benchmarks/backward.py and benchmarks/train_llama.py on the CPU: arguments, the table
 and the files (the timing itself needs a GPU), and a clear message without one."""
 
-import importlib.util
 import json
-import os
 
 import pytest
+from helpers import load_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_load = load_benchmark
 
 
 def test_backward_arguments_table_and_files(tmp_path):

@@ -496,3 +496,45 @@ def test_a_graph_that_does_not_write_our_output_is_an_error(fake_gpu, tmp_path, 
     graph = next(r for r in payload["results"] if r["mode"] == "graph")
     assert graph["max_abs_err"] == "nan"
     assert "replay check" in capsys.readouterr().out
+
+
+def test_timed_us_warms_up_times_in_the_mode_and_closes_the_timer(monkeypatch):
+    """timed_us: a warm-up on the runner, make_timer's timer for the mode, the median of the
+    rounds after the unrecorded first, and the timer closed even when a round fails."""
+    from cupy_rmsnorm.bench import timing
+    made, closed = [], []
+
+    class Timer:
+        def __init__(self, values):
+            self.values, self.samples = iter(values), []
+
+        def round(self):
+            v = next(self.values)
+            if v is None:
+                raise RuntimeError("round failed")
+            self.samples.append(v)
+
+        def close(self):
+            closed.append(self)
+
+    class Runner:
+
+        def context(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+        def synchronize(self):
+            pass
+
+    def make_timer(mode, runner, fn, calls, scratch):
+        made.append((mode, calls, scratch))
+        return Timer([100.0, 3.0, 1.0, 2.0] if mode == "cold" else [100.0, None])
+
+    monkeypatch.setattr(timing, "make_timer", make_timer)
+    calls = []
+    runner = Runner()
+    assert timing.timed_us(runner, lambda: calls.append(1), "cold", 7, 3, scratch="s") == 2.0
+    assert made == [("cold", 7, "s")] and len(calls) == timing.WARMUP_CALLS and len(closed) == 1
+    with pytest.raises(RuntimeError, match="round failed"):
+        timing.timed_us(runner, lambda: None, "graph", 5, 3)
+    assert made[-1] == ("graph", 5, None) and len(closed) == 2

@@ -3,22 +3,18 @@ files, a clear message without a GPU, the header extraction, and (where nvcc and
 headers are here) that the FlashInfer wrapper compiles."""
 
 import glob
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 
 import pytest
+from helpers import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_load = load_benchmark
 
 
 def test_arguments_bytes_table_and_files(tmp_path):

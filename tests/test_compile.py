@@ -188,11 +188,13 @@ def compiled():
     return _compile_batches(batches, fast=True)
 
 
-def _check_batch(result, pairs):
+def _check_batch(result, pairs, kernel_symbols=None):
+    """One compiled batch: every name expression lowered to a kernel (``kernel_symbols``:
+    the program's kernel names in the binary; the forward's by default)."""
     if isinstance(result, Exception):
         raise AssertionError(str(result)[:20000])
     assert isinstance(result, bytes) and len(result) > 0
-    symbols = _kernel_symbols(result)
+    symbols = (kernel_symbols or _kernel_symbols)(result)
     assert len(symbols) == len(pairs), "one kernel per name expression"
     for expr, prefix in pairs:
         assert any(s.startswith(prefix) for s in symbols), f"no lowered kernel for {expr} ({prefix!r})"

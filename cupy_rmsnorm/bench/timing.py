@@ -1,5 +1,5 @@
 """Timing primitives: streams, CUDA graphs, the three modes, copy bandwidth, first-call
-latency, and the two timing loops the scripts share (``graph_us``, ``host_times``).
+latency, and the timing loops the scripts share (``timed_us``, ``graph_us``, ``host_times``).
 
 Every GPU time here comes from CUDA events recorded on the stream the work runs on (a
 wall clock around an asynchronous launch measures nothing); ``host_times`` is the one
@@ -281,6 +281,17 @@ def measure(timer, repeats):
     for _ in range(repeats):
         timer.round()
     return median(timer.samples)
+
+
+def timed_us(runner, fn, mode, calls, repeats, scratch=None):
+    """Median microseconds per call of ``fn`` in ``mode`` (``make_timer``'s: ``calls`` calls
+    a round in graph and hot modes; ``scratch`` flushes the L2 in cold mode), after a warm-up."""
+    warm_up(runner, fn)
+    timer = make_timer(mode, runner, fn, calls, scratch)
+    try:
+        return measure(timer, repeats)
+    finally:
+        timer.close()
 
 
 def graph_us(fn, calls, repeats, runner=None):
