@@ -200,27 +200,78 @@ def _fusable_layer(module):
 
 
 def _fused_residual_forward(self, hidden_states, **kwargs):
-    """A Llama decoder layer with its attention residual add and post-attention norm as one
-    fused op: ``(norm(attn + residual), attn + residual)``. The layer's input is left
-    untouched (HF may keep it as a recorded hidden state), so the op is the out-of-place form."""
+    """A Llama decoder layer with both residual adds fused into the norm that follows them:
+    the attention add into this layer's post-attention norm, the MLP add into the next norm
+    (the next layer's input norm, or the model's final norm), whose result is handed over
+    (see ``_take_handoff``). The layer's input is left untouched (HF may keep it as a
+    recorded hidden state), so the ops are the out-of-place forms, and the layer still
+    returns its own output, ``residual + mlp``."""
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     hidden_states, residual = self.post_attention_layernorm.add_and_norm(hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
-    return residual + hidden_states
+    following = self._cupy_rmsnorm_next[0]
+    if following is None:
+        return residual + hidden_states
+    normed, summed = following.add_and_norm(hidden_states, residual)
+    following._cupy_rmsnorm_handoff[0] = (summed, normed)
+    return summed
+
+
+def _take_handoff(self, x):
+    """The forward of a norm that a decoder layer feeds: when x is the very tensor that layer
+    returned, its normalized form was computed with the add (same bits) and is taken as it is;
+    any other input (a hook replaced the layer's output, the layers ran in another order) is
+    normalized here. The slot is emptied when read."""
+    slot = self._cupy_rmsnorm_handoff
+    handed = slot[0]
+    if handed is not None:
+        slot[0] = None
+        if handed[0] is x:
+            return handed[1]
+    return RMSNorm.forward(self, x)
+
+
+def _decoder_stacks(model):
+    """(layers, final norm or None) of each ModuleList of fusable decoder layers, in the
+    order they run; the final norm is the list's sibling ``norm`` (LlamaModel.norm)."""
+    stacks = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) and all(_fusable_layer(m) for m in child):
+                norm = getattr(parent, "norm", None) if name == "layers" else None
+                stacks.append((list(child), norm if isinstance(norm, RMSNorm) else None))
+    return stacks
+
+
+def _feed(layer, norm):
+    """Let ``layer`` compute ``norm``'s input with its MLP residual add, in one kernel. (The
+    norm is kept in a tuple: a module attribute would become a submodule, and a second
+    state_dict entry of its weight.)"""
+    layer._cupy_rmsnorm_next = (norm,)
+    if "_cupy_rmsnorm_handoff" not in vars(norm):
+        norm._cupy_rmsnorm_handoff = [None]
+        norm.forward = _take_handoff.__get__(norm)
 
 
 def _fuse_residuals(model):
     """Rewrite the forward of every fusable decoder layer (an instance attribute, so the
-    class and other models are untouched); returns how many."""
+    class and other models are untouched), and chain each layer of a stack to the norm
+    that follows it; returns how many layers were rewritten."""
     count = 0
     for module in model.modules():
         if getattr(module, "_cupy_rmsnorm_fused", False) or not _fusable_layer(module):
             continue
         module.forward = _fused_residual_forward.__get__(module)
         module._cupy_rmsnorm_fused = True
+        module._cupy_rmsnorm_next = (None,)
         count += 1
+    for layers, final_norm in _decoder_stacks(model):
+        following = [layer.input_layernorm for layer in layers[1:]] + [final_norm]
+        for layer, norm in zip(layers, following):
+            if norm is not None:
+                _feed(layer, norm)
     return count
 
 
@@ -251,10 +302,14 @@ def patch_hf_rmsnorm(model, fuse_residual=False):
 
     fuse_residual: also rewrite each Llama-style decoder layer (children ``self_attn``,
         ``mlp``, ``input_layernorm``, ``post_attention_layernorm``, both norms replaced) so
-        that its attention residual add and post-attention norm run as one
-        ``fused_add_rms_norm`` kernel, as vLLM's model code does. Results are the same bits
-        (the fused op rounds the sum to the dtype before normalizing, as the pair does).
-        Other layer types are left as they are.
+        that each residual add runs inside the norm that follows it, as vLLM's model code
+        does: the attention add with the post-attention norm, and the MLP add with the next
+        layer's input norm (the model's final norm after the last layer) as one
+        ``fused_add_rms_norm`` kernel. The layer still returns its output (the sum), and the
+        next norm takes the normalized sum computed with it when its input is that very
+        tensor (it normalizes any other input itself). Results are the same bits (the fused
+        op rounds the sum to the dtype before normalizing, as the pair does). Other layer
+        types are left as they are.
 
     Returns:
         The number of modules replaced (0 when the model is already patched); decoder

@@ -119,6 +119,63 @@ def test_modules_trace_as_one_op_each():
                      "cupy_rmsnorm.fused_add_rms_norm.default"], calls
 
 
+def _cpu_llama_with_our_norms(layers=2, hidden=64):
+    """A tiny HF Llama on the CPU whose norms are this library's modules (sharing the
+    weights), as patch_hf_rmsnorm leaves them; patch_hf_rmsnorm itself needs a GPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, rms_norm_eps=1e-6)
+    model = LlamaForCausalLM(config).eval()
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == "LlamaRMSNorm":
+            new = rnt.RMSNorm(hidden, 1e-6, casting_mode="llama", device="meta")
+            new.weight = module.weight
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+@requires_transformers
+def test_fused_residuals_chain_each_layer_to_the_next_norm():
+    """fuse_residual: both residual adds of every layer run inside the following norm's op
+    (the MLP add of the last layer inside the final norm's), so a whole-model trace has one
+    plain norm (the first layer's input norm) and two fused ops a layer, no graph break; the
+    chain registers no module and leaves the state_dict as it was."""
+    from cupy_rmsnorm.torch import _fuse_residuals
+    model = _cpu_llama_with_our_norms(layers=3)
+    keys = list(model.state_dict())
+    assert _fuse_residuals(model) == 3
+    assert _fuse_residuals(model) == 0          # a second patch rewrites nothing
+    assert list(model.state_dict()) == keys
+    layers = model.model.layers
+    assert [layer._cupy_rmsnorm_next[0] for layer in layers] == [
+        layers[1].input_layernorm, layers[2].input_layernorm, model.model.norm]
+    with torch.no_grad():
+        calls = _op_calls(_trace(lambda ids: model(input_ids=ids, use_cache=False).logits,
+                                 torch.randint(3, 100, (1, 8))))
+    assert calls == ["cupy_rmsnorm.rms_norm.default"] + ["cupy_rmsnorm.fused_add_rms_norm.default"] * 6, calls
+    assert all(norm._cupy_rmsnorm_handoff == [None] for norm in (layers[1].input_layernorm, model.model.norm))
+
+
+@requires_transformers
+def test_a_handed_over_norm_takes_only_its_own_input():
+    """The handed-over result is taken only for the very tensor the layer returned; another
+    input is normalized itself, and the slot is emptied when read."""
+    from cupy_rmsnorm.torch import _fuse_residuals
+    model = _cpu_llama_with_our_norms(layers=1)
+    _fuse_residuals(model)
+    norm = model.model.norm
+    summed, handed = torch.randn(2, 64), torch.randn(2, 64)
+    norm._cupy_rmsnorm_handoff[0] = (summed, handed)
+    assert norm(summed) is handed and norm._cupy_rmsnorm_handoff == [None]
+    norm._cupy_rmsnorm_handoff[0] = (summed, handed)
+    with torch.no_grad():
+        calls = _op_calls(_trace(lambda x: norm(x), summed.clone()))
+    assert calls == ["cupy_rmsnorm.rms_norm.default"] and norm._cupy_rmsnorm_handoff == [None]
+
+
 def test_traced_scalars_are_checked_at_trace_time():
     with pytest.raises(Exception, match="eps must be finite"):
         _trace(lambda x: rn.rms_norm(x, eps=-1.0), torch.randn(2, 8))

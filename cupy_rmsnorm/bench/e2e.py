@@ -11,15 +11,17 @@ greedily, in two modes:
 
 The variants are the same weights with other RMSNorm modules: ``hf`` (LlamaRMSNorm as
 built), ``ours`` (``patch_hf_rmsnorm``), ``ours_fused`` (``patch_hf_rmsnorm(model,
-fuse_residual=True)``: residual add + post-attention norm as one op) and ``liger``
+fuse_residual=True)``: each residual add inside the norm that follows it) and ``liger``
 (Liger-Kernel's RMSNorm only). Each is a copy of the module tree that shares every
 weight, so four variants cost one model's memory.
 
 Measured per (mode, variant), the variants interleaved (A B C D A B C D ...) against
 machine drift: prefill = ``generate(max_new_tokens=1)``; decode per token =
 ``(T(N new tokens) - T(1)) / (N - 1)`` of the same round. Also: logits agreement with
-``hf`` on one teacher-forced forward, and the graph breaks ``torch._dynamo.explain``
-finds in a whole-model forward.
+``hf`` on one teacher-forced forward, the top-1 agreement of every variant (hf included)
+with the same model run in float32 (how far any bfloat16 norm is from the exact result:
+with random weights the logits are flat, and near ties flip on the last bit of a norm),
+and the graph breaks ``torch._dynamo.explain`` finds in a whole-model forward.
 
 The pure parts (arguments, order, statistics, tables) need neither torch nor a GPU and
 are tested on a CPU; a hidden ``--device cpu`` runs the ``hf`` variant on a CPU to
@@ -42,8 +44,9 @@ VARIANTS = ("hf", "ours", "ours_fused", "liger")
 VARIANT_TITLES = {
     "hf": "transformers' LlamaRMSNorm, as built",
     "ours": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model)",
-    "ours_fused": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model, fuse_residual=True): each layer's residual add "
-                  "+ post-attention norm as one fused op",
+    "ours_fused": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model, fuse_residual=True): each residual add "
+                  "inside the norm that follows it, as one fused op (the MLP add with the next layer's "
+                  "input norm, or the final norm)",
     "liger": "Liger-Kernel's RMSNorm only: apply_liger_kernel_to_llama(rms_norm=True, model=model), "
              "no rope / swiglu / cross-entropy patches",
 }
@@ -111,8 +114,8 @@ def build_parser():
                    help=f"a list of {', '.join(VARIANTS)} (default: all; hf always runs, as the reference)")
     p.add_argument("--modes", type=_choices(MODES, "mode"), default=list(MODES),
                    help="eager, compiled (default: both)")
-    p.add_argument("--agree-tokens", type=shapes.positive_int, default=128,
-                   help="tokens of the teacher-forced forward that checks the logits (default: 128)")
+    p.add_argument("--agree-tokens", type=shapes.positive_int, default=1024,
+                   help="tokens of the teacher-forced forward that checks the logits (default: 1024)")
     p.add_argument("--no-fullgraph", action="store_true",
                    help="compile with graph breaks allowed (default: fullgraph=True, a break is an error)")
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
@@ -231,9 +234,11 @@ def _ratio(v):
 
 
 def _agree_cells(a):
-    if not a:
-        return ["-", "-"]
-    return [f"{a['top1_agree']:.4f}", f"{a['max_abs_diff']:.3g}"]
+    """top-1 agreement and max |dlogit| against hf, top-1 agreement against float32."""
+    a = a or {}
+    cells = [f"{a['top1_agree']:.4f}", f"{a['max_abs_diff']:.3g}"] if "top1_agree" in a else ["-", "-"]
+    fp32 = a.get("top1_vs_fp32")
+    return cells + [f"{fp32:.4f}" if fp32 is not None else "-"]
 
 
 def _breaks_cell(breaks, compiled):
@@ -246,7 +251,7 @@ def _breaks_cell(breaks, compiled):
 
 BREAKS_FOOTNOTE = "*: timed with graph breaks allowed (compiled with fullgraph=False)"
 TABLE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms/token", "min-max", "vs hf",
-                 "tokens/s", "top-1 agree", "max abs dlogit", "graph breaks"]
+                 "tokens/s", "top-1 agree", "max abs dlogit", "top-1 vs fp32", "graph breaks"]
 
 
 def table_rows(payload):
@@ -261,7 +266,7 @@ def table_rows(payload):
                     _ratio(r["prefill_vs_hf"]), _ms(r["decode_ms"] and r["decode_ms"]["median"]),
                     _range(r["decode_ms"]), _ratio(r["decode_vs_hf"]),
                     f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "-",
-                    *_agree_cells(payload.get("agreement", {}).get(v) if v != BASELINE else None),
+                    *_agree_cells(payload.get("agreement", {}).get(v)),
                     breaks])
     return out
 
@@ -279,7 +284,8 @@ def format_report(payload):
     meta, rows = payload["meta"], payload["summary"]
     lines = [f"e2e: {describe(meta)}",
              ("prefill: generate(max_new_tokens=1); decode: (T(N) - T(1)) / (N - 1) of one round; "
-              "median and min-max over rounds; agreement: teacher-forced logits vs hf")]
+              "median and min-max over rounds; agreement: teacher-forced logits vs hf, and top-1 vs the "
+              "model in float32")]
     for name, why in payload.get("skipped", {}).items():
         lines.append(f"skipped: {name}: {why}")
     for e in payload.get("errors", []):
@@ -316,7 +322,7 @@ def format_markdown(payload):
 
 CSV_FIELDS = ("mode", "variant", "prefill_ms", "prefill_ms_min", "prefill_ms_max", "prefill_ms_q1", "prefill_ms_q3",
               "decode_ms_per_token", "decode_ms_min", "decode_ms_max", "decode_ms_q1", "decode_ms_q3", "rounds",
-              "decode_vs_hf", "prefill_vs_hf", "tokens_per_s", "top1_agree", "max_abs_logit_diff",
+              "decode_vs_hf", "prefill_vs_hf", "tokens_per_s", "top1_agree", "max_abs_logit_diff", "top1_vs_fp32",
               "graph_breaks", "timed_fullgraph")
 
 
@@ -335,6 +341,7 @@ def csv_rows(payload):
                     "rounds": d.get("n") or p.get("n"), "decode_vs_hf": r["decode_vs_hf"],
                     "prefill_vs_hf": r["prefill_vs_hf"], "tokens_per_s": r["tokens_per_s"],
                     "top1_agree": a.get("top1_agree"), "max_abs_logit_diff": a.get("max_abs_diff"),
+                    "top1_vs_fp32": a.get("top1_vs_fp32"),
                     "graph_breaks": b.get("graph_break_count") if r["mode"] == "compiled" else None,
                     "timed_fullgraph": compiled.get("fullgraph") if r["mode"] == "compiled" else None})
     return out
@@ -491,10 +498,24 @@ def logits_of(model, ids):
         return model(input_ids=ids, use_cache=False).logits.float()
 
 
+def top1_agreement(logits, reference):
+    return float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+
+
+def float32_logits(model, ids):
+    """Logits of ``model`` run in float32 (a float32 copy, dropped after): the exact result
+    that every bfloat16 variant approximates."""
+    exact = copy.deepcopy(model).float()
+    try:
+        return logits_of(exact, ids)
+    finally:
+        del exact
+
+
 def agreement(logits, reference):
     diff = (logits - reference).abs()
     return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "top1_agree": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
+            "top1_agree": top1_agreement(logits, reference),
             "reference_max_abs_logit": float(reference.abs().max())}
 
 
@@ -697,14 +718,20 @@ def measure_all(args, payload, elapsed, deadline):
     # Agreement: one teacher-forced forward per variant against hf's logits.
     ids = token_ids(args, 1, args.agree_tokens, offset=2)
     reference = logits_of(models[BASELINE], ids)
+    exact = float32_logits(base, ids) if args.dtype != "float32" else None
+    if exact is not None:
+        payload["agreement"][BASELINE] = {"top1_vs_fp32": top1_agreement(reference, exact)}
     for name in [n for n in models if n != BASELINE]:
         try:
-            payload["agreement"][name] = agreement(logits_of(models[name], ids), reference)
+            logits = logits_of(models[name], ids)
+            payload["agreement"][name] = agreement(logits, reference)
+            if exact is not None:
+                payload["agreement"][name]["top1_vs_fp32"] = top1_agreement(logits, exact)
         except Exception as e:  # noqa: BLE001
             payload["errors"].append({"where": f"agreement {name}", "error": _err_text(e)})
             log(f"error: agreement {name}: {_err_text(e)}")
             del models[name]
-    del reference
+    del reference, exact
 
     if "compiled" in args.modes:   # explain resets Dynamo: before any compile
         short = ids[:, :EXPLAIN_TOKENS]
