@@ -25,10 +25,14 @@ def load(paths):
     return times
 
 
+# cupy_rmsnorm.bench.peers' OURS, IN_PLACE and COPY: no "best peer" (this script imports nothing)
+NOT_PEERS = ("ours", "ours_torch", "ours_ip", "liger_ip", "copy")
+
+
 def ours_and_peer(entry):
     """(median of ours, median of the best peer or None, that peer's name)."""
     ours = statistics.median(entry["ours"]) if "ours" in entry else None
-    peers = {k: statistics.median(v) for k, v in entry.items() if k not in ("ours", "ours_torch")}
+    peers = {k: statistics.median(v) for k, v in entry.items() if k not in NOT_PEERS}
     if not peers:
         return ours, None, None
     name = min(peers, key=peers.get)

@@ -60,6 +60,31 @@ def test_peers_all_and_none():
     assert cli.parse_args(["--peers", "all"]).peers == list(peers.SELECTABLE)
 
 
+def test_peers_chooses_the_copy_and_the_in_place_forms():
+    assert cli.parse_args(["--peers", "copy,ours_ip,liger_ip"]).peers == ["copy", "ours_ip", "liger_ip"]
+    assert {"copy", "ours_ip", "liger_ip"} <= set(cli.parse_args([]).peers)    # on by default
+    help_text = cli.build_parser().format_help()
+    for name in ("copy", "ours_ip", "liger_ip"):
+        assert name in peers.RUNNER_KIND and name in help_text and peers.DESCRIPTIONS[name]
+    assert not set(peers.PEERS) & {"copy", "ours_ip", "liger_ip"}             # no "best peer"
+
+
+def test_availability_of_the_copy_and_the_in_place_forms(monkeypatch):
+    names = ["ours", "liger", "ours_ip", "liger_ip", "copy"]
+    monkeypatch.setattr(peers, "torch_missing", lambda: "PyTorch sees no CUDA device")
+    available, missing = peers.availability(names)
+    assert available == ["ours", "ours_ip", "copy"]                # the CuPy runner's need no torch
+    assert missing == {"liger": "PyTorch sees no CUDA device", "liger_ip": "PyTorch sees no CUDA device"}
+    monkeypatch.setattr(peers, "torch_missing", lambda: None)
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: object())   # Triton "there"
+    monkeypatch.setattr(peers, "liger_missing", lambda: "liger-kernel is not installed")
+    available, missing = peers.availability(names)
+    assert available == ["ours", "ours_ip", "copy"]
+    assert missing == {"liger": "liger-kernel is not installed", "liger_ip": "liger-kernel is not installed"}
+    monkeypatch.setattr(peers, "liger_missing", lambda: None)
+    assert peers.availability(names) == (["ours", "liger", "ours_ip", "liger_ip", "copy"], {})
+
+
 def test_quick_is_short_but_explicit_flags_win():
     quick = cli.parse_args(["--quick"])
     assert quick.shapes == list(shapes.QUICK_SHAPES) and quick.dtypes == ["bfloat16"]
@@ -180,6 +205,92 @@ def test_format_tables_without_ours_shows_dashes():
     assert "geomean" not in text
 
 
+def table_cells(text, title_part, shape):
+    """{header: cell} of ``shape``'s row in the console table whose title holds ``title_part``
+    (columns found from the dashes under the header)."""
+    block = next(b for b in text.split("\n\n") if title_part in b.splitlines()[0])
+    lines = block.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith("shape"))
+    spans, start = [], 0
+    for run in lines[i + 1].split("  "):
+        spans.append((start, start + len(run)))
+        start += len(run) + 2
+    row = next(line for line in lines if line.startswith(f"{shape} ")).ljust(start)
+    return {lines[i].ljust(start)[a:b].strip(): row[a:b].strip() for a, b in spans}
+
+
+# one run's records at four rms shapes and two fused ones, with the copy and the in-place forms;
+# the copy and liger_ip are faster than liger, so only the rule keeps them from "best peer"
+COPY_AND_IN_PLACE = [
+    rec("ours", 17.0), rec("liger", 18.0), rec("copy", 16.0),
+    rec("ours", 130.0, tokens=16384, hidden=8192), rec("liger", 129.0, tokens=16384, hidden=8192),
+    rec("copy", 125.0, tokens=16384, hidden=8192),
+    rec("ours", 1.2, tokens=1), rec("liger", 1.5, tokens=1), rec("copy", 0.8, tokens=1),
+    rec("ours", 21.0, hidden=4095), rec("copy", 17.0, hidden=4095),             # not a large shape
+    rec("ours", 34.0, op="fused"), rec("liger", 35.0, op="fused"), rec("copy", 32.0, op="fused"),
+    rec("ours_ip", 30.0, op="fused"), rec("liger_ip", 33.0, op="fused"),
+    rec("ours", 1.5, op="fused", tokens=1), rec("liger", 1.7, op="fused", tokens=1),
+    rec("ours_ip", 1.4, op="fused", tokens=1)]
+
+
+def test_best_peer_is_never_the_copy_or_an_in_place_form():
+    d = {r["impl"]: r for r in COPY_AND_IN_PLACE if r["op"] == "fused" and r["tokens"] == 4096}
+    assert report.best_peer(d)[0] == "liger"
+    assert report.best_peer({k: d[k] for k in ("ours", "copy", "ours_ip", "liger_ip")}) is None
+    assert report.best_peer(d, among=peers.IN_PLACE_PEERS)[0] == "liger_ip"
+
+
+def test_format_tables_copy_and_in_place_columns():
+    text = report.format_tables(COPY_AND_IN_PLACE)
+    rms = table_cells(text, "rms_norm, bfloat16, graph", "4096x4096")
+    assert rms["ours/copy"] == f"{17 / 16:.2f}" and rms["vs best peer"] == f"{17 / 18:.2f} liger"
+    assert rms["liger"] == f"{17 / 18:.2f}"
+    assert list(rms) == ["shape", "ours us", "GB/s", "%copy", "liger", "vs best peer", "ours/copy", "plan"]
+    assert table_cells(text, "rms_norm, bfloat16", "1x4096")["ours/copy"] == f"{1.2 / 0.8:.2f}"
+    fused = table_cells(text, "fused_add_rms_norm, bfloat16, graph", "4096x4096")
+    assert list(fused) == ["shape", "ours us", "GB/s", "%copy", "liger", "vs best peer", "ours/copy",
+                           "ip us", "ip / liger_ip", "plan"]
+    assert fused["vs best peer"] == f"{34 / 35:.2f} liger"        # not copy, not liger_ip
+    assert fused["ours/copy"] == f"{34 / 32:.2f}" and fused["ip us"] == "30.0"
+    assert fused["ip / liger_ip"] == f"{30 / 33:.2f}"
+    one = table_cells(text, "fused_add_rms_norm", "1x4096")
+    assert (one["ours/copy"], one["ip us"], one["ip / liger_ip"]) == ("-", "1.40", "-")
+    rms_block, fused_block = text.split("\n\n")
+    assert "ip us" not in rms_block and "ip /" not in rms_block     # no in-place column for rms
+    assert "ip us" in fused_block
+    large = (17 / 16, 130 / 125)                                    # 4096x4095 and 1x4096 are not large
+    assert (f"ours / copy at the 2 large shapes (tokens x hidden >= 4096 x 4096): geomean "
+            f"{math.sqrt(large[0] * large[1]):.3f}, max {max(large):.3f} (4096x4096)") in rms_block
+    assert f"at the 1 large shapes (tokens x hidden >= 4096 x 4096): geomean {34 / 32:.3f}" in fused_block
+    assert "ours/copy" not in report.format_tables([rec("ours", 2.0), rec("liger", 4.0)])
+
+
+def test_format_markdown_copy_and_in_place_table():
+    lines = report.format_markdown(COPY_AND_IN_PLACE).strip().splitlines()
+    assert lines[2] == ("| tokens x hidden | rms_norm us | best peer us | ours / best | fused_add_rms_norm us "
+                        "| best peer us | ours / best |")
+    assert lines[4] == "| 4096 x 4096 | 17.0 | 18.0 (liger) | 0.94 | 34.0 | 35.0 (liger) | 0.97 |"
+    second = lines.index("| tokens x hidden | rms_norm copy us | ours / copy | fused_add_rms_norm copy us "
+                         "| ours / copy | fused_add_rms_norm in place us | best in-place peer us | ip ratio |")
+    assert "same bytes" in lines[second - 2] and "in place" in lines[second - 2]
+    rows = lines[second + 2:second + 6]
+    assert rows == [
+        f"| 4096 x 4096 | 16.0 | {17 / 16:.2f} | 32.0 | {34 / 32:.2f} | 30.0 | 33.0 (liger_ip) | {30 / 33:.2f} |",
+        f"| 16384 x 8192 | 125.0 | {130 / 125:.2f} | - | - | - | - | - |",
+        f"| 1 x 4096 | 0.80 | {1.2 / 0.8:.2f} | - | - | 1.40 | - | - |",
+        f"| 4096 x 4095 | 17.0 | {21 / 17:.2f} | - | - | - | - | - |"]
+    assert lines[-1].startswith("liger_ip: ") and "backward" in lines[-1]
+    only_copy = report.format_markdown([rec("ours", 2.0), rec("copy", 1.6)]).strip().splitlines()
+    assert only_copy[-3:] == ["| tokens x hidden | rms_norm copy us | ours / copy |", "|---|---|---|",
+                              "| 4096 x 4096 | 1.60 | 1.25 |"]
+    assert "in place" not in only_copy[-5]
+
+
+def test_charts_draw_the_copy_and_leave_the_in_place_forms_out():
+    assert report.chart_impls({"liger_ip", "copy", "liger", "ours_ip", "ours", "cupy"}) == \
+        ["ours", "cupy", "liger", "copy"]
+
+
 def test_format_markdown_for_the_readme():
     records = [rec("ours", 2.0), rec("liger", 4.0), rec("ours", 5.0, op="fused"),
                rec("torch_compile", 4.0, op="fused"), rec("ours", 1.0, mode="cold")]
@@ -243,6 +354,7 @@ def test_charts_are_png_files(tmp_path):
                for impl, us in (("ours", 1.0), ("liger", 1.3)) for t in (1, 64, 4096)
                for h in (4096, 8192) for dt in ("bfloat16", "float16") for mode in ("graph", "cold", "hot")]
     records.append(rec("ours", 3.0, tokens=4096, hidden=255))     # a single point: no panel
+    records += [rec(impl, 1.0, tokens=t, op="fused") for impl in ("copy", "ours_ip") for t in (1, 64)]
     paths = report.write_charts(str(tmp_path), "s", records, 4000.0)
     names = sorted(os.path.basename(p) for p in paths)
     assert names == ["s_cold_bfloat16.png", "s_cold_float16.png", "s_graph_bfloat16.png",
@@ -393,7 +505,7 @@ class FakeCase:
         pass
 
 
-SPEED = {"ours": 1.0, "cupy": 8.0}
+SPEED = {"ours": 1.0, "cupy": 8.0, "copy": 0.8}
 
 
 def fake_build(name, case, compile_mode="tokens"):
@@ -406,6 +518,14 @@ def fake_build(name, case, compile_mode="tokens"):
     def fn():
         return "output"
     fn.us = SPEED[name] * (1 + case.tokens * case.hidden / 1e6)
+    if name == "copy":          # a check of its own, as peers' copy has: no error against the reference
+        def check(run):
+            run(fn, 1)
+            if case.hidden == 255:
+                raise RuntimeError("copy check: the destination differs from the source after a copy")
+            run(fn)
+            return None
+        fn.check = check
     return fn
 
 
@@ -417,14 +537,14 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda: (4000.0, [3990.0, 4000.0]))
     monkeypatch.setattr(timing, "CupyRunner", lambda: "cupy-runner")
     monkeypatch.setattr(timing, "Scratch", lambda: "scratch")
-    monkeypatch.setattr(timing, "warm_up", lambda runner, fn: fn())
+    monkeypatch.setattr(timing, "warm_up", lambda runner, fn, calls=timing.WARMUP_CALLS: fn())
     monkeypatch.setattr(timing, "make_timer", lambda mode, runner, fn, calls, scratch: FakeTimer(fn.us))
     monkeypatch.setattr(timing, "first_call_latency", lambda op, dtype, tokens, hidden: {
         "op": op, "dtype": dtype, "tokens": tokens, "hidden": hidden, "empty_cache_ms": 900.0,
         "warm_cache_ms": 40.0, "second_call_ms": 0.02})
     monkeypatch.setattr(peers, "Case", FakeCase)
     monkeypatch.setattr(peers, "availability", lambda names: (
-        [n for n in ("ours", "cupy") if n in names], {"liger": "liger-kernel is not installed"}))
+        [n for n in ("ours", "cupy", "copy") if n in names], {"liger": "liger-kernel is not installed"}))
     monkeypatch.setattr(peers, "build", fake_build)
     monkeypatch.setattr(peers, "versions", lambda: {"cupy": "14.2.0"})
 
@@ -473,6 +593,20 @@ def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
     assert "| 4096 x 4096 |" in md and "(cupy)" in md
     if importlib.util.find_spec("matplotlib"):
         assert (out_dir / "rmsnorm_bench_graph_bfloat16.png").is_file()
+
+
+def test_a_whole_run_with_the_copy_of_the_same_bytes(fake_gpu, tmp_path, capsys):
+    rc = cli.main(["--no-first-call", "--no-chart", "--ops", "rms", "--dtypes", "bf16", "--modes", "graph",
+                   "--shapes", "4096x4096", "4096x255", "--peers", "copy", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert table_cells(out, "rms_norm", "4096x4096")["ours/copy"] == f"{1 / 0.8:.2f}"
+    assert "rms bfloat16 4096x255 copy: RuntimeError: copy check" in out      # a failed check is an error
+    payload = json.loads((tmp_path / "rmsnorm_bench.json").read_text())
+    copies = [r for r in payload["results"] if r["impl"] == "copy"]
+    assert [(r["hidden"], r["max_abs_err"]) for r in copies] == [(4096, None)]  # no error against the op
+    md = (tmp_path / "rmsnorm_bench.md").read_text()
+    assert f"| 4096 x 4096 | {report.fmt_us(0.8 * (1 + 4096 * 4096 / 1e6))} | {1 / 0.8:.2f} |" in md
 
 
 def test_replot_redraws_a_saved_run(fake_gpu, tmp_path, capsys):
@@ -538,3 +672,14 @@ def test_timed_us_warms_up_times_in_the_mode_and_closes_the_timer(monkeypatch):
     with pytest.raises(RuntimeError, match="round failed"):
         timing.timed_us(runner, lambda: None, "graph", 5, 3)
     assert made[-1] == ("graph", 5, None) and len(closed) == 2
+
+
+def test_compare_script_leaves_out_what_is_no_peer():
+    """scripts/compare_bench.py imports nothing of the package: its list must match peers'."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare_bench.py")
+    spec = importlib.util.spec_from_file_location("compare_bench", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    assert set(compare.NOT_PEERS) == set(peers.IMPLS) - set(peers.PEERS)
+    entry = {"ours": [2.0], "copy": [1.0], "ours_ip": [1.5], "liger_ip": [1.6], "liger": [3.0, 4.0, 5.0]}
+    assert compare.ours_and_peer(entry) == (2.0, 4.0, "liger")

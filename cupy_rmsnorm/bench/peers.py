@@ -3,8 +3,9 @@
 Each one becomes a zero-argument callable over the inputs of one ``Case`` (x, residual,
 weight of one op, dtype and shape), run by the CuPy or the torch runner of ``timing``.
 The torch tensors are zero-copy views of the CuPy inputs, so every implementation reads
-the very same memory. torch, Triton and Liger-Kernel are optional: what is missing is
-reported and left out.
+the very same memory, but for the in-place ones (they overwrite their inputs, so they get
+copies of their own) and the copy of the same bytes (its own buffers). torch, Triton and
+Liger-Kernel are optional: what is missing is reported and left out.
 """
 
 import functools
@@ -16,15 +17,23 @@ import numpy as np
 # bfloat16 goes through its bits, so the inputs and the reference lean on no CuPy
 # bfloat16 arithmetic; only the "cupy" peer does.
 from .arrays import from_float32, poison, to_cupy, to_float32, to_torch
+from .shapes import logical_bytes
 
 EPS = 1e-6
 
-IMPLS = ("ours", "ours_torch", "cupy", "torch_eager", "F.rms_norm", "torch_compile", "liger")
+IMPLS = ("ours", "ours_torch", "cupy", "torch_eager", "F.rms_norm", "torch_compile", "liger",
+         "ours_ip", "liger_ip", "copy")
 OURS = ("ours", "ours_torch")
 PEERS = ("cupy", "torch_eager", "F.rms_norm", "torch_compile", "liger")   # "best peer" is among these
-SELECTABLE = ("ours_torch",) + PEERS        # what --peers chooses; "ours" always runs
+IN_PLACE = ("ours_ip", "liger_ip")     # the fused op with out=x, residual_out=residual
+IN_PLACE_PEERS = ("liger_ip",)         # "best in-place peer" is among these
+COPY = "copy"                          # a device copy of the op's bytes: the floor, not a peer
+SELECTABLE = ("ours_torch",) + PEERS + IN_PLACE + (COPY,)   # what --peers chooses; "ours" always runs
 RUNNER_KIND = {"ours": "cupy", "cupy": "cupy", "ours_torch": "torch", "torch_eager": "torch",
-               "F.rms_norm": "torch", "torch_compile": "torch", "liger": "torch"}
+               "F.rms_norm": "torch", "torch_compile": "torch", "liger": "torch",
+               "ours_ip": "cupy", "liger_ip": "torch", "copy": "cupy"}
+NEEDS_TRITON = ("torch_compile", "liger", "liger_ip")
+NEEDS_LIGER = ("liger", "liger_ip")
 DESCRIPTIONS = {
     "ours": "cupy_rmsnorm on CuPy arrays, outputs preallocated (out=, residual_out=)",
     "ours_torch": "cupy_rmsnorm on torch tensors, outputs allocated per call (as F.rms_norm does)",
@@ -36,6 +45,13 @@ DESCRIPTIONS = {
                      "token axis dynamic, hidden static (as a server compiles); static: one compile "
                      "per shape",
     "liger": "Liger-Kernel LigerRMSNormFunction / LigerFusedAddRMSNormFunction, llama casting",
+    "ours_ip": "fused only: cupy_rmsnorm in place on CuPy arrays (out=x, residual_out=residual, as "
+               "vLLM's), on copies of the inputs of its own, restored before each timing round",
+    "liger_ip": "fused only: LigerFusedAddRMSNormFunction with in_place=True, llama casting; that flag "
+                "makes only Liger's backward in place (dy reused for dx): its forward still writes "
+                "new y and residual tensors",
+    "copy": "a device-to-device cudaMemcpyAsync of the op's logical bytes (half read, half written), "
+            "in the same mode: the floor of a memory-bound op",
 }
 
 
@@ -78,9 +94,9 @@ def availability(names):
         reason = None
         if RUNNER_KIND[name] == "torch":
             reason = torch_missing()
-        if reason is None and name in ("torch_compile", "liger") and importlib.util.find_spec("triton") is None:
+        if reason is None and name in NEEDS_TRITON and importlib.util.find_spec("triton") is None:
             reason = "Triton is not installed"
-        if reason is None and name == "liger":
+        if reason is None and name in NEEDS_LIGER:
             reason = liger_missing()
         if reason:
             missing[name] = reason
@@ -132,6 +148,7 @@ class Case:
         self.residual_out = cupy.empty(shape, dtype=dt) if op == "fused" else None
         self._torch = None
         self._reference = None
+        self._copy_buffers = None
         cupy.cuda.Device().synchronize()   # inputs ready before other streams read them
 
     def torch_inputs(self):
@@ -172,9 +189,31 @@ class Case:
                 poison(a)
         cupy.cuda.Device().synchronize()
 
+    def fresh_inputs(self):
+        """New copies of x and residual, for an implementation that overwrites its inputs."""
+        import cupy
+        copies = tuple(cupy.empty(a.shape, a.dtype) for a in (self.x, self.residual))
+        self.restore_inputs(*copies)
+        cupy.cuda.Device().synchronize()   # ready before the runner's stream reads them
+        return copies
+
+    def restore_inputs(self, x, residual):
+        """Rewrite copies made by ``fresh_inputs`` with the inputs (on the current stream)."""
+        for dst, src in ((x, self.x), (residual, self.residual)):
+            dst.data.copy_from_device_async(src.data, src.nbytes)
+
+    def copy_buffers(self):
+        """(source, destination) byte buffers of half the op's logical bytes each: one copy
+        reads and writes what one call of the op moves. Made on first use."""
+        if self._copy_buffers is None:
+            import cupy
+            nbytes = logical_bytes(self.op, self.tokens, self.hidden, self.x.itemsize) // 2
+            self._copy_buffers = (cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8))
+        return self._copy_buffers
+
     def release(self):
         self.x = self.residual = self.weight = self.out = self.residual_out = None
-        self._torch = self._reference = None
+        self._torch = self._reference = self._copy_buffers = None
 
 
 # -- the implementations ---------------------------------------------------------------------------
@@ -275,11 +314,71 @@ def _liger_functions(op):
     return LigerFusedAddRMSNormFunction.apply
 
 
+def _in_place(case, make):
+    """An implementation that overwrites its inputs; ``make(x, residual)``: a zero-argument
+    callable on arrays it may overwrite. Timed on copies of the case's inputs of its own (the
+    case's stay as they are, for the others and the reference), restored before each timing
+    round: repeated calls drift (the residual accumulates y; float16 overflows within a
+    few thousand calls). Checked by one call on other fresh copies."""
+    x, residual = case.fresh_inputs()
+    fn = make(x, residual)
+
+    def check(run):
+        err = case.max_abs_err(run(make(*case.fresh_inputs()), 1))
+        run(fn)
+        return err
+    fn.check = check
+    fn.restore_inputs = lambda: case.restore_inputs(x, residual)
+    return fn
+
+
+def _copy(case):
+    """A device copy of the op's bytes (``Case.copy_buffers``), checked by its destination."""
+    import cupy
+    src, dst = case.copy_buffers()
+    src_ptr, dst_ptr, nbytes = src.data, dst.data, src.nbytes
+
+    def fn():
+        dst_ptr.copy_from_device_async(src_ptr, nbytes)   # cudaMemcpyAsync, current stream
+        return dst
+
+    def check(run):
+        src.fill(0x5A)
+        dst.fill(0xA5)                      # every byte differs until the copy writes it
+        cupy.cuda.Device().synchronize()
+        run(fn, 1)
+        if not bool((dst == src).all()):
+            raise RuntimeError("copy check: the destination differs from the source after a copy")
+        run(fn)
+        return None                         # a copy is not the op: no error to report
+    fn.check = check
+    return fn
+
+
+def warm_up_and_check(case, fn, run):
+    """Warm ``fn`` up and check what it computes: the largest error of its output against the
+    case's reference, or None where its output is not the op's (copy). ``run(callable,
+    calls=<warm-up calls>)`` runs a callable on the runner's stream, returns its last result.
+    An implementation with a check of its own (in place, copy) carries it as ``fn.check``."""
+    own = getattr(fn, "check", None)
+    return own(run) if own is not None else case.max_abs_err(run(fn))
+
+
 def build(name, case, compile_mode="tokens"):
     """A zero-argument callable running one call of ``name`` on ``case``'s inputs.
-    It returns the output (rms) or (output, residual_out) (fused)."""
+    It returns the output (rms) or (output, residual_out) (fused).
+
+    Some carry what the sweep must do otherwise: ``fn.check(run)``, their own warm-up and
+    check (``warm_up_and_check``); ``fn.restore_inputs()``, run before each timing round."""
     import cupy_rmsnorm as rn
     fused = case.op == "fused"
+    if name in IN_PLACE and not fused:
+        raise Unsupported("in place is a form of the fused op (out=x, residual_out=residual)")
+    if name == COPY:
+        return _copy(case)
+    if name == "ours_ip":
+        w = case.weight
+        return _in_place(case, lambda x, r: lambda: rn.fused_add_rms_norm(x, r, w, EPS, out=x, residual_out=r))
     if name == "ours":
         x, r, w, y, s = case.x, case.residual, case.weight, case.out, case.residual_out
         if fused:
@@ -301,6 +400,13 @@ def build(name, case, compile_mode="tokens"):
         if fused:
             return lambda: apply(x, r, w, EPS)
         return lambda: apply(x, w, EPS)
+    if name == "liger_ip":
+        apply = _liger_functions(case.op)
+
+        def make(own_x, own_r):   # apply(X, R, W, eps, offset, casting_mode, in_place)
+            tx, tr = to_torch(own_x), to_torch(own_r)
+            return lambda: apply(tx, tr, w, EPS, 0.0, "llama", True)
+        return _in_place(case, make)
     if name in ("torch_eager", "F.rms_norm", "torch_compile"):
         if name == "torch_compile":
             rms_fn, fused_fn = _compiled_functions(compile_mode)

@@ -12,13 +12,14 @@ import math
 import os
 import sys
 
-from .peers import IMPLS, OURS, PEERS
+from .peers import COPY, DESCRIPTIONS, IMPLS, IN_PLACE, IN_PLACE_PEERS, OURS, PEERS
 from .shapes import MODE_TITLES, MODES, OP_TITLES, OPS
 
 FIELDS = ("op", "dtype", "tokens", "hidden", "impl", "mode", "us", "GBps", "pct_copy", "bytes",
           "calls", "repeats", "max_abs_err")
 PLAN_TEXT_KEYS = (("variant", ""), ("threads_per_row", "g"), ("vecs_per_thread", "nv"),
                   ("vec", "v"), ("cluster", "c"), ("block", "b"), ("grid", "grid"))
+LARGE_ELEMENTS = 4096 * 4096     # "large shapes": tokens x hidden at least this (far past the L2)
 
 
 def make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, copy_gbps, calls, repeats,
@@ -103,13 +104,25 @@ def group(records):
     return out
 
 
-def best_peer(by_impl):
-    """(name, record) of the fastest peer (not ours) among ``by_impl``, or None."""
-    peers = [(r["us"], name) for name, r in by_impl.items() if name not in OURS and name in PEERS]
+def best_peer(by_impl, among=PEERS):
+    """(name, record) of the fastest of ``among`` (the out-of-place peers; never ours, the
+    in-place forms or the copy) in ``by_impl``, or None."""
+    peers = [(r["us"], name) for name, r in by_impl.items() if name not in OURS and name in among]
     if not peers:
         return None
     us, name = min(peers)
     return name, by_impl[name]
+
+
+def time_ratio(by_impl, a, b):
+    """``a``'s time over ``b``'s in ``by_impl``, or None where either is missing."""
+    if a in by_impl and b in by_impl:
+        return by_impl[a]["us"] / by_impl[b]["us"]
+    return None
+
+
+def fmt_ratio(v):
+    return "-" if v is None else f"{v:.2f}"
 
 
 def impls_present(by_shape):
@@ -120,12 +133,22 @@ def impls_present(by_shape):
 # -- console -----------------------------------------------------------------------------------------
 def format_tables(records):
     """Per mode, op and dtype: our time, GB/s, % of copy bandwidth, our time over each
-    other implementation's, the ratio to the best peer and our launch plan."""
+    other implementation's, the ratio to the best peer, where measured our time over the
+    copy of the same bytes and the in-place form's time and ratios, and our launch plan."""
     blocks = []
     for (mode, op, dtype), by_shape in group(records).items():
-        others = [n for n in impls_present(by_shape) if n != "ours"]
-        headers = ["shape", "ours us", "GB/s", "%copy"] + others + ["vs best peer", "plan"]
-        rows, to_best, wins = [], [], 0
+        present = impls_present(by_shape)
+        others = [n for n in present if n != "ours" and (n in OURS or n in PEERS)]
+        extra = []   # (header, cell of a shape's {impl: record}): the copy and the in-place form
+        if COPY in present:
+            extra.append(("ours/copy", lambda d: fmt_ratio(time_ratio(d, "ours", COPY))))
+        if "ours_ip" in present:
+            extra.append(("ip us", lambda d: fmt_us(d["ours_ip"]["us"]) if "ours_ip" in d else "-"))
+            extra += [(f"ip / {n}", lambda d, n=n: fmt_ratio(time_ratio(d, "ours_ip", n)))
+                      for n in present if n in IN_PLACE_PEERS]
+        headers = (["shape", "ours us", "GB/s", "%copy"] + others + ["vs best peer"]
+                   + [h for h, _ in extra] + ["plan"])
+        rows, to_best, wins, to_copy = [], [], 0, []
         for (tokens, hidden), d in by_shape.items():
             ours = d.get("ours")
             row = [f"{tokens}x{hidden}"]
@@ -139,17 +162,29 @@ def format_tables(records):
                 row.append(f"{ratio:.2f} {best[0]}")
             else:
                 row.append("-")
+            row += [cell(d) for _, cell in extra]
+            copy_ratio = time_ratio(d, "ours", COPY)
+            if copy_ratio is not None and tokens * hidden >= LARGE_ELEMENTS:
+                to_copy.append((copy_ratio, f"{tokens}x{hidden}"))
             plan = next((r.get("plan") for r in d.values() if r.get("plan")), None)
             row.append(plan_text(plan))
             rows.append(row)
         title = f"== {OP_TITLES.get(op, op)}, {dtype}, {MODE_TITLES.get(mode, mode)}"
-        note = "   ratio columns: our time / theirs (below 1: ours is faster)" if others else ""
-        n = len(headers)
-        block = [title] + ([note] if note else []) + [render_table(headers, rows, left=(0, n - 2, n - 1))]
+        note = "   ratio columns: our time / theirs (below 1: ours is faster)" if others or extra else ""
+        if COPY in present:
+            note += "; ours/copy: over a device copy of the same bytes in this run"
+        if "ours_ip" in present:
+            note += "; ip: ours in place (out=x, residual_out=residual)"
+        left = (0, headers.index("vs best peer"), len(headers) - 1)
+        block = [title] + ([note] if note else []) + [render_table(headers, rows, left=left)]
         g = geomean(to_best)
         if g is not None:
             block.append(f"   geomean ours / best peer: {g:.3f}; ours at or below the best peer "
                          f"at {wins} of {len(to_best)} shapes")
+        if to_copy:
+            worst = max(to_copy)
+            block.append(f"   ours / copy at the {len(to_copy)} large shapes (tokens x hidden >= 4096 x 4096): "
+                         f"geomean {geomean([r for r, _ in to_copy]):.3f}, max {worst[0]:.3f} ({worst[1]})")
         blocks.append("\n".join(block))
     return "\n\n".join(blocks)
 
@@ -183,9 +218,26 @@ def format_first_call(first_call):
     return "\n".join(lines)
 
 
+def _markdown_table(head, shapes, ops, cells_of):
+    """``cells_of(op, shape)``: the cells of one op at one shape, after the shape's."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape in shapes:
+        cells = [f"{shape[0]} x {shape[1]}"] + [c for op in ops for c in cells_of(op, shape)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _time_and_best(ours, best):
+    """Markdown cells: ours, the best peer's time (name) and ours / best."""
+    return [fmt_us(ours["us"]) if ours else "-",
+            f"{fmt_us(best[1]['us'])} ({best[0]})" if best else "-",
+            f"{ours['us'] / best[1]['us']:.2f}" if ours and best else "-"]
+
+
 def format_markdown(records, mode="graph", dtype=None):
-    """A Markdown table for the README: per shape and op, our time, the best peer's and
-    the ratio, for one mode and dtype."""
+    """Markdown tables for the README, for one mode and dtype: per shape and op, our time,
+    the best peer's and the ratio; then, where measured, the copy of the same bytes (and
+    ours over it) and the fused op in place (ours, the best in-place peer, the ratio)."""
     recs = [r for r in records if r["mode"] == mode and (dtype is None or r["dtype"] == dtype)]
     if not recs:
         return ""
@@ -194,20 +246,50 @@ def format_markdown(records, mode="graph", dtype=None):
     groups = group(recs)
     ops = [op for op in _order([r["op"] for r in recs], OPS)]
     shapes = list(dict.fromkeys((r["tokens"], r["hidden"]) for r in recs))
+
+    def at(op, shape):
+        return groups.get((mode, op, dtype), {}).get(shape, {})
+
     head = ["tokens x hidden"]
     for op in ops:
         head += [f"{OP_TITLES.get(op, op)} us", "best peer us", "ours / best"]
-    lines = [f"GPU time per call ({mode} mode, {dtype}, microseconds); ratio below 1: ours is faster.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for shape in shapes:
-        cells = [f"{shape[0]} x {shape[1]}"]
-        for op in ops:
-            d = groups.get((mode, op, dtype), {}).get(shape, {})
-            ours, best = d.get("ours"), best_peer(d)
-            cells.append(fmt_us(ours["us"]) if ours else "-")
-            cells.append(f"{fmt_us(best[1]['us'])} ({best[0]})" if best else "-")
-            cells.append(f"{ours['us'] / best[1]['us']:.2f}" if ours and best else "-")
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = [f"GPU time per call ({mode} mode, {dtype}, microseconds); ratio below 1: ours is faster.", ""]
+    lines += _markdown_table(head, shapes, ops, lambda op, shape: _time_and_best(
+        at(op, shape).get("ours"), best_peer(at(op, shape))))
+
+    # the second table, for the ops measured with a copy or in place
+    measured = {(r["op"], r["impl"]) for r in recs}
+    has_copy = {op: (op, COPY) in measured for op in ops}
+    has_ip = {op: any((op, n) in measured for n in IN_PLACE) for op in ops}
+    if not any(has_copy.values()) and not any(has_ip.values()):
+        return "\n".join(lines) + "\n"
+
+    def floor_and_in_place(op, shape):
+        d, cells = at(op, shape), []
+        if has_copy[op]:
+            cells += [fmt_us(d[COPY]["us"]) if COPY in d else "-", fmt_ratio(time_ratio(d, "ours", COPY))]
+        if has_ip[op]:
+            cells += _time_and_best(d.get("ours_ip"), best_peer(d, among=IN_PLACE_PEERS))
+        return cells
+    head = ["tokens x hidden"]
+    for op in ops:
+        title = OP_TITLES.get(op, op)
+        head += [f"{title} copy us", "ours / copy"] if has_copy[op] else []
+        head += [f"{title} in place us", "best in-place peer us", "ip ratio"] if has_ip[op] else []
+    what = []
+    if any(has_copy.values()):
+        what.append("against a device copy of the same bytes measured in the same run (ours / copy: "
+                    "1 is the memory floor)")
+    if any(has_ip.values()):
+        what.append("in place (out=x, residual_out=residual; ip ratio: ours in place / the best "
+                    "in-place peer)")
+    caption = " and ".join(what)
+    lines += ["", f"{caption[0].upper()}{caption[1:]}: {mode} mode, {dtype}, microseconds.", ""]
+    lines += _markdown_table(head, shapes, ops, floor_and_in_place)
+    # what an in-place peer is (Liger's in_place flag is not what its name suggests)
+    shown = [n for n in IN_PLACE_PEERS if any(r["impl"] == n for r in recs)]
+    if shown:
+        lines += [""] + [f"{n}: {DESCRIPTIONS[n]}." for n in shown]
     return "\n".join(lines) + "\n"
 
 
@@ -252,6 +334,12 @@ def load_json(path):
 CHART_MODES = ("graph", "cold")
 
 
+def chart_impls(impls):
+    """The lines a chart draws from ``impls``, in IMPLS order: the out-of-place ones and the
+    copy of the same bytes (dashed); the in-place form compares with its kind, in the tables."""
+    return [n for n in _order(sorted(impls), IMPLS) if n not in IN_PLACE]
+
+
 def write_charts(out_dir, stem, records, copy_gbps, modes=CHART_MODES):
     """GB/s against tokens: one PNG per mode and dtype, a row of panels per op, a panel
     per swept hidden size, a line per implementation, the copy bandwidth as the ceiling.
@@ -275,11 +363,13 @@ def write_charts(out_dir, stem, records, copy_gbps, modes=CHART_MODES):
                 for j, hidden in enumerate(hiddens):
                     ax = axes[i][j]
                     sel = [r for r in recs if r["op"] == op and r["hidden"] == hidden]
-                    for impl in _order(sorted({r["impl"] for r in sel}), IMPLS):
+                    for impl in chart_impls({r["impl"] for r in sel}):
                         pts = sorted((r["tokens"], r["GBps"]) for r in sel if r["impl"] == impl)
                         ours = impl in OURS
+                        style = {"linestyle": "--", "color": "gray"} if impl == COPY else {}
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                                linewidth=2.2 if ours else 1.1, zorder=3 if ours else 2, label=impl)
+                                linewidth=2.2 if ours else 1.1, zorder=3 if ours else 2,
+                                label="copy of the same bytes" if impl == COPY else impl, **style)
                     if copy_gbps:
                         ax.axhline(copy_gbps, linestyle="--", color="black", linewidth=1,
                                    label=f"copy bandwidth ({copy_gbps:.0f} GB/s)")

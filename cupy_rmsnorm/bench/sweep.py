@@ -1,6 +1,7 @@
 """The measurements of a run: first-call latency in fresh processes, and the sweep over
 (op, dtype, shape) x implementation x mode."""
 
+import functools
 import time
 
 from . import peers, report, shapes, timing
@@ -61,7 +62,8 @@ class Sweep:
             self.log(f"error: {where}: {text}")
 
     def measure(self, case, name):
-        """Warm-up (and correctness check), then each mode, of one implementation."""
+        """Warm-up (and correctness check: ``peers.warm_up_and_check``), then each mode, of
+        one implementation."""
         args, bar = self.args, self.bar
         itemsize = shapes.ITEMSIZE[case.dtype]
         nbytes = shapes.logical_bytes(case.op, case.tokens, case.hidden, itemsize)
@@ -72,7 +74,7 @@ class Sweep:
         t0 = time.perf_counter()
         try:
             fn = peers.build(name, case, compile_mode=args.compile)
-            err = case.max_abs_err(timing.warm_up(runner, fn))
+            err = peers.warm_up_and_check(case, fn, functools.partial(timing.warm_up, runner))
         except peers.Unsupported as e:
             self._error(where, str(e), quiet=True)
             bar.advance(len(args.modes))
@@ -100,7 +102,8 @@ class Sweep:
                         if not mode_err <= max(4 * err, 0.25):
                             self._error(f"{where} graph", f"replay check: max abs error {mode_err} "
                                         f"vs {err} eager: is the capture recording our launches?")
-                    us = timing.measure(timer, args.repeats[mode])
+                    us = timing.measure(timer, args.repeats[mode],
+                                        before_round=getattr(fn, "restore_inputs", None))
                 finally:
                     timer.close()
                 self.records.append(report.make_record(

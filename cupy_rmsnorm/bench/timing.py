@@ -274,12 +274,18 @@ def make_timer(mode, runner, fn, calls, scratch):
     raise ValueError(f"unknown mode {mode!r}")
 
 
-def measure(timer, repeats):
-    """Median microseconds per call over ``repeats`` rounds (after one unrecorded round)."""
-    timer.round()
-    timer.samples.clear()
-    for _ in range(repeats):
+def measure(timer, repeats, before_round=None):
+    """Median microseconds per call over ``repeats`` rounds (after one unrecorded round).
+    ``before_round``: run before every round, untimed, on the timer's stream (an in-place
+    implementation restores its inputs there), finished before the round starts."""
+    for i in range(repeats + 1):
+        if before_round is not None:
+            with timer.runner.event_stream:     # CuPy's current stream: the one the round runs on
+                before_round()
+            timer.runner.synchronize()          # each round starts on an idle GPU, as without
         timer.round()
+        if i == 0:
+            timer.samples.clear()
     return median(timer.samples)
 
 
