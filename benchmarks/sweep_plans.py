@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python3 benchmarks/sweep_plans.py --out results/sweep.csv
 
 For each op and shape it times the heuristic's plan and neighbours of it (threads per
-row halved / doubled, eight vectors per thread, streaming for long rows, clusters of 1
+row quartered / halved / doubled, eight vectors per thread, streaming for long rows, clusters of 1
 to 8 blocks per row for few long rows), the heuristic's plan without programmatic
 dependent launch, each with the same inputs, and prints the best. The plan is forced
 through launch_plan's keyword arguments; nothing else changes.
@@ -42,7 +42,7 @@ def forced(pdl=True, **overrides):
 
 def candidates(rows, hidden, fused, sm, max_cluster):
     """The heuristic's plan, the same without programmatic dependent launch, then threads
-    per row halved and doubled (vectors per thread following, up to 8 for rms_norm),
+    per row quartered, halved and doubled (vectors per thread following, up to 8 for rms_norm),
     streaming for long rows, and each cluster size for few long rows."""
     base = heuristic(rows, hidden, 2, 8, sm, fused, edges=hidden % 8 != 0, max_cluster=max_cluster)
     out = [("heuristic", {}), ("heuristic/no-pdl", dict(pdl=False))]
@@ -50,7 +50,7 @@ def candidates(rows, hidden, fused, sm, max_cluster):
     vectors = -(-hidden // 8)       # a partial last vector counts (its thread must exist)
     n = -(-vectors // c0)
     g0 = base.threads_per_row
-    for g in (g0 // 2, g0 * 2):
+    for g in (g0 // 4, g0 // 2, g0 * 2):
         if not 8 <= g <= 1024:
             continue
         nv = 1

@@ -209,8 +209,9 @@ def _payload():
             "errors": [{"where": "compiled ours fullgraph compile", "error": "Unsupported: graph break"}],
             "notes": ["compiled: 1 graphs were compiled during the timed rounds"],
             "agreement": {"ours": {"max_abs_diff": 0.0625, "mean_abs_diff": 0.001, "top1_agree": 0.9921875,
-                                   "reference_max_abs_logit": 3.0, "top1_vs_fp32": 0.96875},
-                          "hf": {"top1_vs_fp32": 0.953125}},
+                                   "reference_max_abs_logit": 3.0, "top1_vs_fp32": 0.96875,
+                                   "max_abs_vs_fp32": 0.125},
+                          "hf": {"top1_vs_fp32": 0.953125, "max_abs_vs_fp32": 0.25}},
             "graph_breaks": {"hf": {"graph_count": 1, "graph_break_count": 0},
                              "ours": {"graph_count": 18, "graph_break_count": 17}},
             "compile": {"compiled hf": {"fullgraph": True}, "compiled ours": {"fullgraph": False}},
@@ -229,8 +230,8 @@ def test_the_report_ends_with_the_table():
     assert table[0].split()[:3] == ["mode", "variant", "prefill"]
     rows = {tuple(line.split()[:2]): line.split() for line in table[2:]}
     assert set(rows) == {("eager", "hf"), ("eager", "ours"), ("compiled", "hf"), ("compiled", "ours")}
-    assert rows[("eager", "ours")][-4:] == ["0.9922", "0.0625", "0.9688", "-"]   # no graph breaks in eager
-    assert rows[("eager", "hf")][-4:] == ["-", "-", "0.9531", "-"]       # hf: only its float32 agreement
+    assert rows[("eager", "ours")][-5:] == ["0.9922", "0.0625", "0.9688", "0.125", "-"]  # no breaks in eager
+    assert rows[("eager", "hf")][-5:] == ["-", "-", "0.9531", "0.25", "-"]   # hf: only against float32
     assert rows[("compiled", "ours")][-1] == "17*"                       # timed with breaks allowed
     assert rows[("compiled", "hf")][-1] == "0"
     assert rows[("compiled", "ours")][7] == "0.500"                      # decode vs hf: 2 ms vs 4 ms
@@ -253,6 +254,7 @@ def test_outputs_json_csv_markdown(tmp_path):
     assert ours["timed_fullgraph"] == "False" and rows[0]["graph_breaks"] == ""
     assert float(rows[1]["top1_agree"]) == pytest.approx(0.9921875)
     assert float(rows[1]["top1_vs_fp32"]) == pytest.approx(0.96875) and float(rows[0]["top1_vs_fp32"]) == 0.953125
+    assert float(rows[0]["max_abs_vs_fp32"]) == 0.25
     md = (tmp_path / "out" / "h200_e2e.md").read_text()
     assert md.count("\n| ") == 5 and "| compiled | ours |" in md and "17* |" in md
     assert "Skipped: liger: liger_kernel is not importable." in md

@@ -234,11 +234,12 @@ def _ratio(v):
 
 
 def _agree_cells(a):
-    """top-1 agreement and max |dlogit| against hf, top-1 agreement against float32."""
+    """top-1 agreement and max |dlogit| against hf, then the same against float32."""
     a = a or {}
     cells = [f"{a['top1_agree']:.4f}", f"{a['max_abs_diff']:.3g}"] if "top1_agree" in a else ["-", "-"]
-    fp32 = a.get("top1_vs_fp32")
-    return cells + [f"{fp32:.4f}" if fp32 is not None else "-"]
+    if "top1_vs_fp32" in a:
+        return cells + [f"{a['top1_vs_fp32']:.4f}", f"{a['max_abs_vs_fp32']:.3g}"]
+    return cells + ["-", "-"]
 
 
 def _breaks_cell(breaks, compiled):
@@ -251,7 +252,7 @@ def _breaks_cell(breaks, compiled):
 
 BREAKS_FOOTNOTE = "*: timed with graph breaks allowed (compiled with fullgraph=False)"
 TABLE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms/token", "min-max", "vs hf",
-                 "tokens/s", "top-1 agree", "max abs dlogit", "top-1 vs fp32", "graph breaks"]
+                 "tokens/s", "top-1 agree", "max abs dlogit", "top-1 vs fp32", "max abs vs fp32", "graph breaks"]
 
 
 def table_rows(payload):
@@ -323,6 +324,7 @@ def format_markdown(payload):
 CSV_FIELDS = ("mode", "variant", "prefill_ms", "prefill_ms_min", "prefill_ms_max", "prefill_ms_q1", "prefill_ms_q3",
               "decode_ms_per_token", "decode_ms_min", "decode_ms_max", "decode_ms_q1", "decode_ms_q3", "rounds",
               "decode_vs_hf", "prefill_vs_hf", "tokens_per_s", "top1_agree", "max_abs_logit_diff", "top1_vs_fp32",
+              "max_abs_vs_fp32",
               "graph_breaks", "timed_fullgraph")
 
 
@@ -341,7 +343,7 @@ def csv_rows(payload):
                     "rounds": d.get("n") or p.get("n"), "decode_vs_hf": r["decode_vs_hf"],
                     "prefill_vs_hf": r["prefill_vs_hf"], "tokens_per_s": r["tokens_per_s"],
                     "top1_agree": a.get("top1_agree"), "max_abs_logit_diff": a.get("max_abs_diff"),
-                    "top1_vs_fp32": a.get("top1_vs_fp32"),
+                    "top1_vs_fp32": a.get("top1_vs_fp32"), "max_abs_vs_fp32": a.get("max_abs_vs_fp32"),
                     "graph_breaks": b.get("graph_break_count") if r["mode"] == "compiled" else None,
                     "timed_fullgraph": compiled.get("fullgraph") if r["mode"] == "compiled" else None})
     return out
@@ -500,6 +502,11 @@ def logits_of(model, ids):
 
 def top1_agreement(logits, reference):
     return float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+
+
+def against_exact(logits, exact):
+    """How far a variant's logits are from the float32 model's: top-1 agreement, max |diff|."""
+    return {"top1_vs_fp32": top1_agreement(logits, exact), "max_abs_vs_fp32": float((logits - exact).abs().max())}
 
 
 def float32_logits(model, ids):
@@ -720,13 +727,13 @@ def measure_all(args, payload, elapsed, deadline):
     reference = logits_of(models[BASELINE], ids)
     exact = float32_logits(base, ids) if args.dtype != "float32" else None
     if exact is not None:
-        payload["agreement"][BASELINE] = {"top1_vs_fp32": top1_agreement(reference, exact)}
+        payload["agreement"][BASELINE] = against_exact(reference, exact)
     for name in [n for n in models if n != BASELINE]:
         try:
             logits = logits_of(models[name], ids)
             payload["agreement"][name] = agreement(logits, reference)
             if exact is not None:
-                payload["agreement"][name]["top1_vs_fp32"] = top1_agreement(logits, exact)
+                payload["agreement"][name].update(against_exact(logits, exact))
         except Exception as e:  # noqa: BLE001
             payload["errors"].append({"where": f"agreement {name}", "error": _err_text(e)})
             log(f"error: agreement {name}: {_err_text(e)}")
