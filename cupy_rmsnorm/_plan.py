@@ -25,6 +25,8 @@ QUANT_FORMS = (None, "static", "per_token", "per_group")
 QUANT_GROUP = 128          # elements per scale of the per-group form
 # Choices below were measured on an H200 (benchmarks/NOTES.md, benchmarks/results/sweep_plans.csv).
 FEW_ROWS = 256             # up to here latency rules: one vector per thread, clusters for long rows
+FEW_ROWS_BLOCK = 512       # ... in blocks of up to 512 threads (then two vectors a thread: 1024-thread
+                           # blocks reduce the canonical tree over 32 warps, measured slower)
 ONE_BLOCK_VECTORS = 512    # few rows longer than this get a cluster of blocks each (sm_90)
 CLUSTER_MIN_VECTORS = 128  # ... as large as fits one wave, each block keeping at least this many
 MAX_CLUSTER = 8            # the portable cluster size limit
@@ -121,12 +123,11 @@ def group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster=None):
     """(threads per row group before the register limit, blocks per row) for n vectors a
     row; ``cluster`` forces the blocks per row."""
     if n <= (2 if fused else 4) * WARP:   # short rows: groups of 8..32 threads, rows share a block
-        per_thread = 4 if n > WARP and not fused else 2
+        per_thread = 4 if n > 2 * WARP and not fused else 2
         return min(max(_pow2_ceil(_ceil_div(n, per_thread)), 8), WARP), 1
     if rows <= FEW_ROWS:           # latency: one vector per thread, a cluster per row when long
         c = cluster or cluster_size(rows, n, sm_count, max_cluster)
-        cap = 512 if fused or c > 1 else MAX_BLOCK   # larger blocks measured slower there
-        return min(max(_pow2_ceil(_ceil_div(n, c)), 2 * WARP), cap), c
+        return min(max(_pow2_ceil(_ceil_div(n, c)), 2 * WARP), FEW_ROWS_BLOCK), c
     # bandwidth: 4 vectors per thread in flight for rms_norm rows past 256 vectors, else 2
     per_thread = 4 if n > 256 and not fused else 2
     return min(max(_pow2_ceil(_ceil_div(n, per_thread)), 2 * WARP), MAX_BLOCK), 1
@@ -161,9 +162,9 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
 
     With n = ceil(hidden / vec) vectors per row, a partial last one included (group_and_cluster):
     - n <= 64 (128 for rms_norm): a group of 8, 16 or 32 threads per row holding 2
-      vectors each (4 for rms_norm past 32 vectors), 256-thread blocks holding several rows;
-    - few rows (<= 256): a block per row, one vector per thread (up to 1024 threads, 512
-      for the fused op); rows past 512 vectors are split over a cluster of blocks
+      vectors each (4 for rms_norm past 64 vectors), 256-thread blocks holding several rows;
+    - few rows (<= 256): a block per row, one vector per thread up to 512 threads (then
+      more vectors per thread); rows past 512 vectors are split over a cluster of blocks
       (cluster_size(); where the device has clusters, ``max_cluster`` > 1) of up to 512
       threads each;
     - many rows: a block per row of n / 4 threads (rms_norm, rows past 256 vectors) or

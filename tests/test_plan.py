@@ -18,10 +18,10 @@ A100_SMS = 108
 # vecs_per_thread, rows_per_block, block, grid, cluster), worked out by hand from
 # launch_plan's docstring. With n = ceil(hidden / vec) vectors per row (a partial one counts):
 # - n <= 64 (128 for rms_norm): G = next power of two of n / t within [8, 32], t = 4 for
-#   rms_norm past 32 vectors, else 2; 256-thread blocks of 256 / G rows;
+#   rms_norm past 64 vectors, else 2; 256-thread blocks of 256 / G rows;
 # - rows <= 256: cluster C = 1 for n <= 512, else the largest power of two <= max_cluster
 #   with rows x C <= sm_count and n / C >= 128; G = next power of two of n / C within
-#   [64, 1024], at most 512 when fused or C > 1;
+#   [64, 512];
 # - more rows: G = next power of two of n / t within [64, 1024], t = 4 for rms_norm past
 #   256 vectors, else 2;
 # - vectors per thread = next power of two of (n / C) / G; past 4 (2 fused) G becomes 1024,
@@ -34,7 +34,7 @@ PLAN_TABLE = [
     ((100, 64, 4, 4, H200_SMS, False, 1), ("registers", 8, 2, 32, 256, 4, 1)),
     ((257, 256, 2, 8, H200_SMS, False, 1), ("registers", 16, 2, 16, 256, 17, 1)),       # n = 32
     ((257, 255, 2, 8, H200_SMS, True, 8), ("registers", 16, 2, 16, 256, 17, 1)),
-    ((4096, 512, 2, 8, H200_SMS, False, 1), ("registers", 16, 4, 16, 256, 256, 1)),     # n = 64: 4 each
+    ((4096, 512, 2, 8, H200_SMS, False, 1), ("registers", 32, 2, 8, 256, 512, 1)),      # n = 64: 2 each
     ((4096, 512, 2, 8, H200_SMS, True, 1), ("registers", 32, 2, 8, 256, 512, 1)),       # fused: 2 each
     ((100_000, 128, 2, 8, H200_SMS, False, 1), ("registers", 8, 2, 32, 256, 3125, 1)),
     ((1_000_000, 128, 2, 8, A100_SMS, True, 1), ("registers", 8, 2, 32, 256, 31250, 1)),
@@ -44,11 +44,11 @@ PLAN_TABLE = [
     ((3, 1000, 4, 4, H200_SMS, False, 1), ("registers", 256, 1, 1, 256, 3, 1)),
     ((1, 4096, 2, 8, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 1, 1)),        # n = 512: no cluster
     ((0, 4096, 2, 8, H200_SMS, False, 1), ("registers", 512, 1, 1, 512, 1, 1)),        # zero rows: valid plan
-    ((1, 8192, 2, 8, H200_SMS, False, 1), ("registers", 1024, 1, 1, 1024, 1, 1)),      # no clusters (sm_80)
+    ((1, 8192, 2, 8, H200_SMS, False, 1), ("registers", 512, 2, 1, 512, 1, 1)),        # no clusters (sm_80)
     ((1, 8192, 2, 8, H200_SMS, False, 8), ("registers", 128, 1, 1, 128, 8, 8)),
     ((1, 4104, 2, 8, H200_SMS, False, 8), ("registers", 256, 1, 1, 256, 4, 4)),        # n = 513
     ((30, 16384, 2, 8, H200_SMS, False, 8), ("registers", 512, 1, 1, 512, 120, 4)),    # 30 x 8 > 132
-    ((67, 8192, 2, 8, H200_SMS, False, 8), ("registers", 1024, 1, 1, 1024, 67, 1)),    # 67 x 2 > 132
+    ((67, 8192, 2, 8, H200_SMS, False, 8), ("registers", 512, 2, 1, 512, 67, 1)),      # 67 x 2 > 132
     ((64, 16384, 2, 8, H200_SMS, True, 1), ("registers", 1024, 2, 1, 1024, 64, 1)),    # 512 x 4 > 2 each
     ((64, 16384, 2, 8, H200_SMS, True, 8), ("registers", 512, 2, 1, 512, 128, 2)),
     ((64, 32768, 2, 8, H200_SMS, False, 1), ("registers", 1024, 4, 1, 1024, 64, 1)),   # n = 4096
