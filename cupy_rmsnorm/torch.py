@@ -205,14 +205,17 @@ def _fused_residual_forward(self, hidden_states, **kwargs):
     (the next layer's input norm, or the model's final norm), whose result is handed over
     (see ``_take_handoff``). The layer's input is left untouched (HF may keep it as a
     recorded hidden state), so the ops are the out-of-place forms, and the layer still
-    returns its own output, ``residual + mlp``."""
+    returns its own output, ``residual + mlp``. Layers trained with gradient checkpointing
+    keep the MLP add to themselves."""
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     hidden_states, residual = self.post_attention_layernorm.add_and_norm(hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
     following = self._cupy_rmsnorm_next[0]
-    if following is None:
+    # Under gradient checkpointing the next layer's forward runs again in the backward, with
+    # no handover: its recomputation would not match its first run, which checkpoint refuses.
+    if following is None or (getattr(self, "gradient_checkpointing", False) and self.training):
         return residual + hidden_states
     normed, summed = following.add_and_norm(hidden_states, residual)
     following._cupy_rmsnorm_handoff[0] = (summed, normed)

@@ -372,6 +372,25 @@ def test_a_tiny_eager_run_on_the_cpu(tmp_path, capsys):
     assert payload["meta"]["versions"]["transformers"] and payload["meta"]["config"]["num_hidden_layers"] == 2
 
 
+@requires_transformers
+def test_the_cpu_run_checks_hf_against_float32_and_survives_without_it(tmp_path, monkeypatch):
+    """The float32 check: hf's top-1 agreement with the float32 model is a fraction, its max
+    difference positive (bfloat16 is not float32); a float32 copy that fails (no memory) is
+    a note, and the run goes on."""
+    argv = TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "1", "--out", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    hf = json.loads((tmp_path / "rmsnorm_bench_e2e.json").read_text())["agreement"]["hf"]
+    assert 0.0 <= hf["top1_vs_fp32"] <= 1.0 and hf["max_abs_vs_fp32"] > 0.0
+
+    def no_memory(model, ids):
+        raise MemoryError("no room for a float32 copy")
+    monkeypatch.setattr(e2e, "float32_logits", no_memory)
+    assert e2e.main(argv) == 0
+    payload = json.loads((tmp_path / "rmsnorm_bench_e2e.json").read_text())
+    assert payload["agreement"] == {} and payload["summary"]
+    assert payload["notes"] == ["no agreement with the float32 model: MemoryError: no room for a float32 copy"]
+
+
 class Unsupported(Exception):
     """Dynamo's graph-break error under fullgraph=True, as far as the benchmark can tell."""
 

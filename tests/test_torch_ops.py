@@ -160,6 +160,24 @@ def test_fused_residuals_chain_each_layer_to_the_next_norm():
 
 
 @requires_transformers
+def test_checkpointed_layers_keep_their_mlp_add():
+    """A layer under gradient checkpointing (training) hands nothing over: checkpoint runs its
+    forward again in the backward and needs the next layer's recomputation to match."""
+    from cupy_rmsnorm.torch import _fuse_residuals
+    model = _cpu_llama_with_our_norms(layers=2)
+    _fuse_residuals(model)
+    model.train()
+    for layer in model.model.layers:     # HF's switch, with a checkpoint that simply calls
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = lambda f, *args: f(*args)
+    with torch.no_grad():
+        calls = _op_calls(_trace(lambda ids: model(input_ids=ids, use_cache=False).logits,
+                                 torch.randint(3, 100, (1, 8))))
+    plain, fused = "cupy_rmsnorm.rms_norm.default", "cupy_rmsnorm.fused_add_rms_norm.default"
+    assert calls == [plain, fused, plain, fused, plain], calls
+
+
+@requires_transformers
 def test_a_handed_over_norm_takes_only_its_own_input():
     """The handed-over result is taken only for the very tensor the layer returned; another
     input is normalized itself, and the slot is emptied when read."""
@@ -303,6 +321,34 @@ def test_patched_llama_compiles_with_no_graph_break_from_the_norms():
             torch._dynamo.reset()
             got = torch.compile(model, fullgraph=True)(ids).logits
             torch.testing.assert_close(got.float(), eager.float(), rtol=1.6e-2, atol=2e-2)
+
+
+@requires_torch_gpu
+@requires_transformers
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fused_residual_model_trains_to_the_plain_patchs_gradients(checkpointing):
+    """fuse_residual in training, with and without gradient checkpointing: the loss and
+    every parameter's gradient match the plain patch's (the same ops, fused; the fused op
+    rounds the sum as the pair does, so up to float32 reassociation in the backward)."""
+    import copy
+    base = _tiny_llama().float()
+    plain, fused = copy.deepcopy(base), copy.deepcopy(base)
+    rnt.patch_hf_rmsnorm(plain)
+    rnt.patch_hf_rmsnorm(fused, fuse_residual=True)
+    ids = torch.randint(3, 1000, (2, 24), device="cuda")
+    grads = []
+    for model in (plain, fused):
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_p, g_p), (loss_f, g_f) = grads
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-5, atol=1e-5)
+    assert g_p.keys() == g_f.keys() and all(g is not None for g in g_f.values())
+    for name in g_p:
+        torch.testing.assert_close(g_f[name], g_p[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @requires_torch_gpu

@@ -725,7 +725,13 @@ def measure_all(args, payload, elapsed, deadline):
     # Agreement: one teacher-forced forward per variant against hf's logits.
     ids = token_ids(args, 1, args.agree_tokens, offset=2)
     reference = logits_of(models[BASELINE], ids)
-    exact = float32_logits(base, ids) if args.dtype != "float32" else None
+    exact = None
+    if args.dtype != "float32":
+        try:
+            exact = float32_logits(base, ids)
+        except Exception as e:  # noqa: BLE001 - a float32 copy may not fit: the run goes on without it
+            payload["notes"].append(f"no agreement with the float32 model: {_err_text(e)}")
+            log(f"note: no agreement with the float32 model: {_err_text(e)}")
     if exact is not None:
         payload["agreement"][BASELINE] = against_exact(reference, exact)
     for name in [n for n in models if n != BASELINE]:
