@@ -310,9 +310,10 @@ def patch_hf_rmsnorm(model, fuse_residual=False):
         layer's input norm (the model's final norm after the last layer) as one
         ``fused_add_rms_norm`` kernel. The layer still returns its output (the sum), and the
         next norm takes the normalized sum computed with it when its input is that very
-        tensor (it normalizes any other input itself). Results are the same bits (the fused
-        op rounds the sum to the dtype before normalizing, as the pair does). Other layer
-        types are left as they are.
+        tensor (it normalizes any other input itself; under gradient checkpointing, while
+        training, a layer keeps its MLP add, which the recomputation needs). Results are the
+        same bits (the fused op rounds the sum to the dtype before normalizing, as the pair
+        does). Other layer types are left as they are.
 
     Returns:
         The number of modules replaced (0 when the model is already patched); decoder
