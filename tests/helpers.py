@@ -119,3 +119,24 @@ def load_benchmark(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def tiny_llama(layers, hidden, vocab=1000, heads=4, kv_heads=2, device="cuda", dtype="bfloat16",
+               random_norm_weights=True):
+    """A small randomly initialized transformers LlamaForCausalLM (nothing downloaded), in
+    eval mode, seeded. ``random_norm_weights``: the RMSNorm weights drawn around one (HF
+    starts them at one, where "llama" and "fp32" rounding give the same bits)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=256, rms_norm_eps=EPS, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    model = LlamaForCausalLM(config).to(device=device, dtype=getattr(torch, dtype)).eval()
+    if random_norm_weights:
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m).__name__ == "LlamaRMSNorm":
+                    m.weight.copy_(1.0 + 0.3 * torch.randn(hidden))
+    return model

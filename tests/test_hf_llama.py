@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from helpers import EPS, TOL, requires_torch_gpu
+from helpers import EPS, TOL, requires_torch_gpu, tiny_llama
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 4, 256, 4, 2, 1000
 BATCH, PROMPT_LEN, NEW_TOKENS = 2, 16, 32
@@ -26,22 +26,8 @@ pytestmark = [requires_torch_gpu, requires_transformers]
 
 
 def _tiny_llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=256, rms_norm_eps=EPS,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
-    # HF starts the norm weights at one, where "llama" and "fp32" rounding give the same
-    # bits; random weights make the check see which rounding the patched modules use.
-    with torch.no_grad():
-        for m in model.modules():
-            if type(m).__name__ == "LlamaRMSNorm":
-                m.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN))
-    return model
+    # random norm weights: the check then sees which rounding the patched modules use
+    return tiny_llama(LAYERS, HIDDEN, VOCAB, HEADS, KV_HEADS)
 
 
 def _first_divergence(a, b):

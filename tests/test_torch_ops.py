@@ -5,7 +5,7 @@ the GPU. Skips with the reason where torch (or a GPU, or transformers) is missin
 import importlib.util
 
 import pytest
-from helpers import requires_torch_gpu
+from helpers import requires_torch_gpu, tiny_llama
 
 torch = pytest.importorskip("torch", reason="torch op tests: torch is not installed")
 
@@ -122,12 +122,7 @@ def test_modules_trace_as_one_op_each():
 def _cpu_llama_with_our_norms(layers=2, hidden=64):
     """A tiny HF Llama on the CPU whose norms are this library's modules (sharing the
     weights), as patch_hf_rmsnorm leaves them; patch_hf_rmsnorm itself needs a GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=100, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, rms_norm_eps=1e-6)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers, hidden, vocab=100, device="cpu", dtype="float32", random_norm_weights=False)
     for name, module in list(model.named_modules()):
         if type(module).__name__ == "LlamaRMSNorm":
             new = rnt.RMSNorm(hidden, 1e-6, casting_mode="llama", device="meta")
@@ -275,18 +270,7 @@ def test_compiled_in_place_fused_mutates_its_inputs():
 
 
 def _tiny_llama(layers=2, hidden=256):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if type(m).__name__ == "LlamaRMSNorm":
-                m.weight.copy_(1.0 + 0.3 * torch.randn(hidden))
-    return model
+    return tiny_llama(layers, hidden)
 
 
 @requires_torch_gpu
