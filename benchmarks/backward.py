@@ -27,7 +27,8 @@ import os
 import sys
 import time
 
-SHAPES = ((1, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (16384, 8192), (4096, 512), (4096, 4095))
+SHAPES = ((1, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (4096, 8192), (16384, 8192), (4096, 512), (4096, 2048),
+          (4096, 4095))
 IMPLS = ("ours", "F.rms_norm", "torch.compile", "liger", "copy")
 PHASES = ("backward", "forward+backward")
 EPS = 1e-6

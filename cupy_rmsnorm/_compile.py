@@ -3,7 +3,7 @@ of compiled kernels.
 
 Two programs: ``"forward"`` is ``kernels/rms_norm.cu`` (two templates: a block or a group
 per row, and a cluster per row); ``"backward"`` is that file followed by
-``kernels/rms_norm_backward.cu`` (the backward kernel and its dweight reduction, which use
+``kernels/rms_norm_backward.cu`` (the backward kernels, register and staged, and the dweight reduction, which use
 the forward's helpers). Each (storage type, weight type, fused, vector width, threads per
 row, vectors per thread, edges, cluster size) is an instantiation, compiled the first time
 a call needs it on a device (CuPy's disk cache keeps the binary across processes) and kept
@@ -65,7 +65,8 @@ def quant_instantiation_name(dtype, weight_dtype, fused, plan, form, quant_dtype
 def backward_instantiation_name(dtype, weight_dtype, plan):
     """The name expression of the backward kernel a BackwardPlan needs (program "backward")."""
     args = ", ".join(str(a) for a in plan.template_args())
-    return f"rmsnorm::rms_norm_backward_kernel<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, {args}>"
+    kernel = "rms_norm_backward_staged_kernel" if plan.variant == "staged" else "rms_norm_backward_kernel"
+    return f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, {args}>"
 
 
 def reduce_instantiation_name(weight_dtype):

@@ -20,8 +20,11 @@ import warnings
 from ._plan import max_cluster_for
 
 PDL_MIN_MAJOR = 9      # programmatic dependent launch: sm_90 and later
+BULK_COPY_MIN_MAJOR = 9   # cp.async.bulk and mbarrier transaction counts (the staged backward)
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _CUDA_ERROR_INVALID_CONTEXT = 201
+# cudaDeviceAttr: cudaDevAttrMaxSharedMemoryPerMultiprocessor, ...PerBlockOptin
+_ATTR_SHARED_PER_SM, _ATTR_SHARED_PER_BLOCK_OPTIN = 81, 97
 # CUlaunchConfig: grid x/y/z, block x/y/z, shared memory bytes, (pad), stream, attrs, numAttrs
 _CONFIG = struct.Struct("<7I4xQQI4x")
 # CUlaunchAttribute: id, (pad), value (a 64-byte union; here one int)
@@ -43,13 +46,19 @@ class Device:
 
     ``pdl``: launches use programmatic dependent launch (sm_90+, the driver has
     ``cuLaunchKernelEx``, not turned off); set to False for good if the driver refuses.
+    ``shared_per_sm`` / ``shared_per_block``: shared memory an SM has and a block may opt in
+    to, where the kernels' bulk copies into it exist (sm_90+; else 0).
     """
-    __slots__ = ("index", "sm_count", "compute_capability", "max_cluster", "pdl")
+    __slots__ = ("index", "sm_count", "compute_capability", "max_cluster", "pdl", "shared_per_sm",
+                 "shared_per_block")
 
-    def __init__(self, index, sm_count, compute_capability, pdl):
+    def __init__(self, index, sm_count, compute_capability, pdl, shared_per_sm=0, shared_per_block=0):
         self.index, self.sm_count, self.compute_capability = index, sm_count, compute_capability
         self.max_cluster = max_cluster_for(compute_capability[0])
         self.pdl = bool(pdl) and compute_capability[0] >= PDL_MIN_MAJOR
+        bulk = compute_capability[0] >= BULK_COPY_MIN_MAJOR
+        self.shared_per_sm = int(shared_per_sm) if bulk else 0
+        self.shared_per_block = int(shared_per_block) if bulk else 0
 
     def __repr__(self):
         return (f"Device({self.index}, sm_count={self.sm_count}, compute_capability="
@@ -67,7 +76,9 @@ def device(index):
                 props = runtime.getDeviceProperties(index)
                 d = _devices[index] = Device(index, props["multiProcessorCount"],
                                              (props["major"], props["minor"]),
-                                             pdl_wanted() and bool(_load_launch_ex()))
+                                             pdl_wanted() and bool(_load_launch_ex()),
+                                             runtime.deviceGetAttribute(_ATTR_SHARED_PER_SM, index),
+                                             runtime.deviceGetAttribute(_ATTR_SHARED_PER_BLOCK_OPTIN, index))
     return d
 
 
@@ -123,15 +134,16 @@ def _load_launch_ex():
 class KernelLaunch:
     """One compiled kernel with its (x, y) grid and block size, and the CUlaunchConfig
     that cuLaunchKernelEx reads (with the PDL attribute): built once per plan, so a call
-    writes at most the stream into it. Used under the owning Launcher's lock."""
-    __slots__ = ("fn_ptr", "grid", "block", "stream", "ptr", "_fn_arg", "_buffer", "_attribute")
+    writes at most the stream into it; ``shared``: dynamic shared memory bytes. Used under the
+    owning Launcher's lock."""
+    __slots__ = ("fn_ptr", "grid", "block", "shared", "stream", "ptr", "_fn_arg", "_buffer", "_attribute")
 
-    def __init__(self, fn_ptr, grid, block):
-        self.fn_ptr, self.grid, self.block, self.stream = fn_ptr, grid, block, 0
+    def __init__(self, fn_ptr, grid, block, shared=0):
+        self.fn_ptr, self.grid, self.block, self.shared, self.stream = fn_ptr, grid, block, shared, 0
         self._attribute = (ctypes.c_char * _ATTRIBUTE.size)()
         _ATTRIBUTE.pack_into(self._attribute, 0, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
         self._buffer = (ctypes.c_char * _CONFIG.size)()
-        _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], 1, block, 1, 1, 0, 0,
+        _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], 1, block, 1, 1, shared, 0,
                           ctypes.addressof(self._attribute), 1)
         self.ptr = ctypes.c_void_p(ctypes.addressof(self._buffer))
         self._fn_arg = ctypes.c_void_p(fn_ptr)    # ready-made: ctypes converts no int per call
@@ -169,17 +181,17 @@ def launch(dev, kernel, stream, argv):
         dev.pdl = False       # refused (an older driver, say): plain from now on
         warnings.warn(f"cupy_rmsnorm: cuLaunchKernelEx failed with CUDA error {err}; launching "
                       "without programmatic dependent launch from now on", RuntimeWarning, stacklevel=2)
-    _launch_plain(dev.index, kernel.fn_ptr, kernel.grid, kernel.block, stream, argv.value)
+    _launch_plain(dev.index, kernel.fn_ptr, kernel.grid, kernel.block, kernel.shared, stream, argv.value)
 
 
-def _launch_plain(index, fn_ptr, grid, block, stream, argv_ptr):
+def _launch_plain(index, fn_ptr, grid, block, shared, stream, argv_ptr):
     global _plain
     if _plain is None:
         from cupy_backends.cuda.api import driver
         _plain = driver.launchKernel
     try:
-        _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, 0, stream, argv_ptr, 0)
+        _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, shared, stream, argv_ptr, 0)
     except Exception:
         if not ensure_context(index):
             raise
-        _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, 0, stream, argv_ptr, 0)
+        _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, shared, stream, argv_ptr, 0)

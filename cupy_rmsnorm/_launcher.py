@@ -393,11 +393,12 @@ class QuantLauncher(Launcher):
 # (eight-byte fields first, no padding; the kernel asserts the sizes, a CPU test reads both sides).
 BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16, "kDirectWeight": 32}   # with FLAGS' kLlama and kHasWeight
 ADD_GRAD, WEIGHT_GRAD, DIRECT_WEIGHT = (BACKWARD_FLAGS[k] for k in ("kAddGrad", "kWeightGrad", "kDirectWeight"))
-BACKWARD_PARAMS_BYTES = 104
+BACKWARD_PARAMS_BYTES = 112
 BACKWARD_PARAMS_DTYPE = np.dtype([
     ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
     ("dy", "<i8", (2,)), ("x", "<i8", (2,)), ("d_residual_out", "<i8", (2,)), ("dx", "<i8", (2,)),
     ("hidden", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"),
+    ("stages", "<i4"), ("unused", "<i4"),
 ])
 assert BACKWARD_PARAMS_DTYPE.itemsize == BACKWARD_PARAMS_BYTES
 REDUCE_PARAMS_BYTES = 16
@@ -412,7 +413,8 @@ _backward_overrides = {}  # forced_backward_plan(): backward_plan keyword argume
 @contextlib.contextmanager
 def forced_backward_plan(record=None, **overrides):
     """forced_plan for the backward: new backward plans get ``overrides`` as backward_plan
-    keyword arguments (threads_per_row=, vecs_per_thread=) and go to ``record`` if given."""
+    keyword arguments (threads_per_row=, vecs_per_thread=, staged=, stages=) and go to
+    ``record`` if given."""
     global _plan_record
     saved = dict(_backward_overrides), _plan_record
     _backward_overrides.clear()
@@ -473,6 +475,10 @@ def _argv(values):
     return ctypes.c_void_p(argv.ctypes.data), (held, argv)
 
 
+# CUfunction_attribute: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ..._SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SHARED, _STATIC_SHARED = 8, 1
+
+
 class BackwardLauncher:
     """Launches the backward of one layout: the dx kernel, then the dweight reduction.
 
@@ -515,18 +521,23 @@ class BackwardLauncher:
         entry = self._by_vec.get((vec, edges))
         if entry is None:
             d = self.device
-            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, edges=edges,
-                                 **_backward_overrides)
+            fixed = dict(edges=edges, arrays=3 if self.layout.row_strides.d_residual_out is not None else 2,
+                         shared_per_sm=d.shared_per_sm, shared_per_block=d.shared_per_block, **_backward_overrides)
+            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, **fixed)
             name = backward_instantiation_name(self.layout.dtype, self.layout.weight_dtype, plan)
             fn = kernel_cache.get(d.index, name, "backward")
             from cupy_backends.cuda.api import driver
             _driver.ensure_context(d.index)
-            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
-            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, edges=edges,
-                                 max_blocks_per_sm=per_sm, **_backward_overrides)
+            if plan.shared_bytes:   # the function's limit, shared by every launcher: the device's
+                driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED,
+                                        d.shared_per_block - driver.funcGetAttribute(_STATIC_SHARED, fn.ptr))
+            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, plan.shared_bytes)
+            fixed.setdefault("staged", plan.variant == "staged")    # the occupancy is this kernel's
+            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, max_blocks_per_sm=per_sm,
+                                 **fixed)
             if _plan_record is not None:
                 _plan_record.append(plan)
-            kernel = _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block)
+            kernel = _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block, plan.shared_bytes)
             entry = self._by_vec[(vec, edges)] = (plan, kernel)
         return entry
 
@@ -570,7 +581,7 @@ class BackwardLauncher:
             if not direct:
                 partials = kind.empty_of(x, (plan.partials, self.hidden), "float32")
         params = self.params.copy()
-        params["rows_per_block"] = plan.rows_per_block
+        params["rows_per_block"], params["stages"] = plan.rows_per_block, plan.stages
         params["flags"] |= ((HAS_WEIGHT if w is not None else 0) | (WEIGHT_GRAD if want_dw else 0)
                             | (DIRECT_WEIGHT if direct else 0))
         argv, held = _argv(pointers + [ptr(partials) if partials is not None else 0,

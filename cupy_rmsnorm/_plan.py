@@ -227,19 +227,42 @@ BACKWARD_STREAM_THREADS = 512        # rows past MAX_BLOCK vectors stream throug
 # bytes in flight to stream (H200), and each block adds a row of partial sums to reduce.
 BACKWARD_THREADS_PER_SM = 1024
 BACKWARD_GROUPS_BLOCK = WARP_VARIANT_BLOCK   # the kernel's block when groups share it (GROUPS)
+# Staged rows (sm_90 bulk copies into a ring of shared-memory stages; 16-byte vectors on the
+# 16-byte grid): blocks of up to STAGED_THREADS threads, one vector each per step, and
+# 2..BACKWARD_MAX_STAGES rows a block in flight, as many as its share of the SM's shared
+# memory holds.
+BACKWARD_STAGED_THREADS = 512
+# Stages a block keeps: as many as fit, up to BACKWARD_MAX_STAGES; fewer blocks an SM rather
+# than fewer stages (run R, bf16, 8192-wide rows: one block of four stages 66.1 us at 4096 rows,
+# 212.3 at 16384, against two blocks of three, 69.8 and 228.4).
+BACKWARD_MAX_STAGES = 4
+# Staged only from this many rows per SM: with fewer, the ring has little to hide and the
+# register kernel was faster (runs M, R and S, bf16, rms: 1024 x 4096, 7.8 rows an SM, 14.4
+# vs 18.3 us; 2048 x 4096, 15.5 an SM, 26.4 staged vs 30.1; 4096 rows, 31 an SM: 40.8 vs
+# 53.3 at hidden 4096, 14.7 vs 17.5 at 1024). Between the two measured points: 12.
+BACKWARD_STAGED_MIN_ROWS_PER_SM = 12
+BACKWARD_STAGED_MAX_VECS = 4         # steps per row (registers: weights and sums, 16 a step; 8 spill)
+SHARED_RESERVED_PER_BLOCK = 1024     # what CUDA keeps of each block's shared memory
+BACKWARD_STATIC_SHARED = 256         # the staged kernel's static shared memory (row_sums), rounded up
+STAGE_BARRIER_BYTES = 8
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
     """How one backward call is launched (kernels/rms_norm_backward.cu).
 
-    variant, vec, threads_per_row, vecs_per_thread, edges: as in ``LaunchPlan``.
+    variant: "registers" / "stream" (rms_norm_backward_kernel) or "staged"
+      (rms_norm_backward_staged_kernel: rows brought into shared memory by bulk copies).
+    vec, threads_per_row, vecs_per_thread, edges: as in ``LaunchPlan`` (staged: vectors
+      per thread are the steps of a row, read from shared memory).
     groups_per_block: row groups per block (``256 / threads_per_row`` for groups of <= 32
       threads, else 1), each on its own row at a time.
     rows_per_block: the contiguous rows each block handles, looping; a multiple of
       groups_per_block. grid: blocks, ``ceil(rows / rows_per_block)``; each writes one row
       of dweight partial sums, so ``grid`` is also the number of partial rows the
       reduction kernel adds (in a fixed order: the bits depend only on the plan).
+    stages, shared_bytes: staged only: rows in flight per block, and the dynamic shared
+      memory they take (the stages, then an mbarrier each).
     """
 
     variant: str
@@ -251,9 +274,13 @@ class BackwardPlan:
     rows_per_block: int
     grid: int
     edges: bool = True
+    stages: int = 0
+    shared_bytes: int = 0
 
     def template_args(self):
-        """The backward kernel's template arguments after <T, W>: VEC, G, NV, EDGES."""
+        """The kernel's template arguments after <T, W>: VEC, G, NV, EDGES (staged: G, NV)."""
+        if self.variant == "staged":
+            return self.threads_per_row, self.vecs_per_thread
         return self.vec, self.threads_per_row, self.vecs_per_thread, "true" if self.edges else "false"
 
     @property
@@ -275,22 +302,49 @@ def backward_geometry(hidden, vec):
     return BACKWARD_STREAM_THREADS, 0
 
 
+def staged_geometry(hidden, vec):
+    """(threads per row, steps) of a staged row: one vector per thread and step, blocks of
+    64..BACKWARD_STAGED_THREADS threads."""
+    n = hidden // vec
+    g = min(max(_pow2_ceil(n), 2 * WARP), BACKWARD_STAGED_THREADS)
+    return g, _ceil_div(n, g)
+
+
+def stage_bytes(hidden, itemsize, arrays):
+    """Shared memory of one stage: ``arrays`` rows (dy, x and for the fused op d_residual_out)."""
+    return arrays * hidden * itemsize
+
+
 def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_blocks_per_sm=None,
-                  threads_per_row=None, vecs_per_thread=None):
+                  threads_per_row=None, vecs_per_thread=None, arrays=2, shared_per_sm=0,
+                  shared_per_block=0, staged=None, stages=None):
     """Choose the backward's geometry for ``rows`` rows of ``hidden`` elements.
 
-    threads per row and vectors per thread: ``backward_geometry``. The grid aims at
-    BACKWARD_THREADS_PER_SM resident threads per SM (at most ``max_blocks_per_sm`` blocks
-    per SM, what the kernel's registers allow: the launcher asks the driver), every block
-    looping over an equal contiguous chunk of rows: a function of (rows, the geometry,
-    sm_count, max_blocks_per_sm) only, so the same call reduces in the same order every
-    time. ``itemsize`` is x's (kept for symmetry with launch_plan; vec already says it in
-    elements). threads_per_row / vecs_per_thread force a geometry (for sweeps and tests).
+    Staged (rows in shared memory, ``staged_geometry``) where the device has the bulk
+    copies (the launcher passes its ``shared_per_sm`` / ``shared_per_block``; 0: not
+    sm_90+), rows take 16-byte vectors on the 16-byte grid (``not edges`` and
+    ``vec * itemsize == 16``), rows are longer than BACKWARD_GROUP_VECTORS vectors, two
+    stages of ``arrays`` rows fit a block and there are BACKWARD_STAGED_MIN_ROWS_PER_SM rows
+    per SM or more. Otherwise threads per row and vectors per
+    thread: ``backward_geometry``. The grid aims at BACKWARD_THREADS_PER_SM resident threads
+    per SM (at most ``max_blocks_per_sm`` blocks per SM, what the kernel's registers and
+    shared memory allow: the launcher asks the driver), every block looping over an equal
+    contiguous chunk of rows: a function of (rows, the geometry, sm_count,
+    max_blocks_per_sm) only, so the same call reduces in the same order every time.
+    ``itemsize`` is x's. ``staged`` True / False requires or refuses the staged kernel
+    (the launcher keeps the first plan's kernel when it replans for that kernel's
+    occupancy); threads_per_row / vecs_per_thread force the register kernel's geometry, or
+    with ``staged`` / ``stages`` the staged one; ``stages`` forces the ring's depth
+    (``stages=0``: not staged). For sweeps and tests.
     """
     if rows < 0 or hidden < 1 or vec < 1 or itemsize < 1 or sm_count < 1:
         raise ValueError("backward_plan needs rows >= 0, hidden >= 1, vec >= 1, itemsize >= 1, sm_count >= 1")
     if not edges and hidden % vec:
         raise ValueError("edges=False needs hidden to be a multiple of vec (rows of whole vectors)")
+    plan = _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm, threads_per_row,
+                        vecs_per_thread, arrays, shared_per_sm, shared_per_block, staged, stages)
+    if plan is not None:
+        return plan
     g, nv = backward_geometry(hidden, vec)
     g, nv = threads_per_row or g, (nv if vecs_per_thread is None else vecs_per_thread)
     if nv and g * nv < hidden // vec:
@@ -302,7 +356,64 @@ def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_bloc
     per_sm = max(1, BACKWARD_THREADS_PER_SM // block)
     if max_blocks_per_sm is not None:
         per_sm = max(1, min(per_sm, max_blocks_per_sm))
-    target_grid = sm_count * per_sm
-    chunk = _ceil_div(max(_ceil_div(rows, target_grid), 1), groups) * groups
-    grid = max(1, _ceil_div(rows, chunk))
+    chunk, grid = _chunks(rows, sm_count * per_sm, groups)
     return BackwardPlan("registers" if nv else "stream", vec, g, nv, groups, block, chunk, grid, bool(edges))
+
+
+def _chunks(rows, target_grid, groups=1):
+    """(rows per block, blocks): equal contiguous chunks, a multiple of ``groups``, for about
+    ``target_grid`` blocks."""
+    chunk = _ceil_div(max(_ceil_div(rows, target_grid), 1), groups) * groups
+    return chunk, max(1, _ceil_div(rows, chunk))
+
+
+def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm, threads_per_row,
+                 vecs_per_thread, arrays, shared_per_sm, shared_per_block, staged, stages):
+    """backward_plan's staged plan, or None where rows are not staged."""
+    n = hidden // vec
+    forced_registers = threads_per_row is not None or vecs_per_thread is not None
+    if staged is False or stages == 0 or (staged is None and stages is None and forced_registers):
+        return None
+    want = bool(staged or stages)          # staged required (else: where the heuristic finds it pays)
+
+    def refuse(why):
+        if want:
+            raise ValueError(f"staged rows need {why}")
+        return None
+
+    if edges or vec * itemsize != 16 or not shared_per_sm or n <= BACKWARD_GROUP_VECTORS:
+        return refuse("sm_90 shared memory, rows of 16-byte vectors on the 16-byte grid and more than "
+                      f"{BACKWARD_GROUP_VECTORS} vectors a row")
+    g, nv = staged_geometry(hidden, vec)
+    if threads_per_row is not None:
+        g = threads_per_row
+        nv = _ceil_div(n, g) if vecs_per_thread is None else vecs_per_thread
+    if g <= WARP or g * nv < n:
+        raise ValueError(f"a staged row needs blocks of more than {WARP} threads covering it ({g} x {nv} "
+                         f"vectors for {n})")
+    if nv > BACKWARD_STAGED_MAX_VECS:
+        return refuse(f"at most {BACKWARD_STAGED_MAX_VECS} vectors a thread")
+    stage = stage_bytes(hidden, itemsize, arrays) + STAGE_BARRIER_BYTES
+    per_sm = max(1, BACKWARD_THREADS_PER_SM // g)
+    if max_blocks_per_sm is not None:
+        per_sm = max(1, min(per_sm, max_blocks_per_sm))
+
+    def fitting(blocks):      # stages that fit one of `blocks` blocks on an SM
+        share = shared_per_sm // blocks - SHARED_RESERVED_PER_BLOCK - BACKWARD_STATIC_SHARED
+        return min(share, shared_per_block - BACKWARD_STATIC_SHARED) // stage
+
+    if not want and rows < BACKWARD_STAGED_MIN_ROWS_PER_SM * sm_count:
+        return None
+    wanted = stages or BACKWARD_MAX_STAGES
+    while per_sm > 1 and fitting(per_sm) < wanted:
+        per_sm -= 1
+    if fitting(per_sm) < max(stages or 0, 2):
+        return refuse(f"{max(stages or 0, 2)} stages of {stage} bytes in a block's shared memory")
+    chunk, grid = _chunks(rows, sm_count * per_sm)
+    if chunk >= 2 ** 31:                  # the kernel counts a block's rows in an int
+        return refuse("fewer than 2^31 rows a block")
+    k = stages or min(fitting(per_sm), BACKWARD_MAX_STAGES)
+    if k < 2 and chunk > 1:
+        raise ValueError("a block that loops over rows needs two stages or more")
+    k = min(k, chunk)        # no more stages than rows (one stage for one row: nothing to refill)
+    return BackwardPlan("staged", vec, g, nv, 1, g, chunk, grid, False, k, k * stage)

@@ -20,6 +20,9 @@
 // partials row), and the block writes one float32 row of partial sums: partials[b][col].
 // The second kernel adds the partial rows in a fixed order. Nothing depends on timing (no float atomics): the same
 // inputs and plan give the same bits on every run.
+// rms_norm_backward_staged_kernel (below; sm_90, rows on the 16-byte grid, 8+ rows a block):
+// the same work split and arithmetic, with each block's next rows brought into shared memory
+// by bulk copies ahead of use, so that more bytes are in flight than registers can hold.
 
 namespace rmsnorm {
 
@@ -36,8 +39,9 @@ struct BackwardParams {
     int hidden;
     float eps, weight_offset;
     int flags;
+    int stages, unused;   // rms_norm_backward_staged_kernel: the ring's stages (>= 2)
 };
-static_assert(sizeof(BackwardParams) == 104, "BackwardParams: 104 bytes, as cupy_rmsnorm/_launcher.py packs it");
+static_assert(sizeof(BackwardParams) == 112, "BackwardParams: 112 bytes, as cupy_rmsnorm/_launcher.py packs it");
 
 // The reduction kernel's sizes (mirrored by REDUCE_PARAMS_DTYPE).
 struct ReduceParams {
@@ -134,14 +138,17 @@ __device__ __forceinline__ void load_body(const T* dy, const T* x, const Backwar
 // the grid is one block, dweight itself: kDirectWeight).
 // Launch bounds: 1024 resident threads per SM (cupy_rmsnorm/_plan.py BACKWARD_THREADS_PER_SM),
 // i.e. at most 64 registers a thread; warp groups (the most registers) get 85, three blocks of
-// 256; rows off the 16-byte grid (EDGES) take what they need rather than spill.
-template <int ROW_THREADS, bool EDGES>
+// 256; rows off the 16-byte grid (EDGES) take what they need rather than spill, except blocks
+// of 256+ threads with one vector each, which fit 64 (unbounded, ptxas gave bf16 79: one
+// 512-thread block an SM, and 4096 x 4095 bf16 took 1.4x fp16's time, run N).
+template <int ROW_THREADS, int THREAD_VECS, bool EDGES>
 struct BackwardMinBlocks {
-    static constexpr int value = EDGES ? 1 : ROW_THREADS > 256 ? 1024 / ROW_THREADS : ROW_THREADS == 256 ? 4 : 3;
+    static constexpr int value = EDGES && (THREAD_VECS != 1 || ROW_THREADS < 256) ? 1
+                                 : ROW_THREADS > 256 ? 1024 / ROW_THREADS : ROW_THREADS == 256 ? 4 : 3;
 };
 
 template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
-__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, EDGES>::value)
+__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
 rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
                          W* dweight, const BackwardParams p) {
     using VecT = Pack<T, VEC>;
@@ -328,31 +335,235 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
     allow_next_kernel();
 }
 
-// dweight[j] = sum over the partial rows, in a fixed order: each of REDUCE_SLICES thread rows
-// adds every REDUCE_SLICES-th partial row for 32 columns, then the slices are added in order.
-constexpr int REDUCE_COLUMNS = 32, REDUCE_SLICES = 8;   // the block: 256 threads
+// dweight[j] = sum over the partial rows, in a fixed order. A block takes REDUCE_COLUMNS
+// columns: REDUCE_COLUMNS / 4 threads across, four columns each (one 16-byte load when the
+// partial rows are 16-byte aligned, hidden % 4 == 0), and REDUCE_SLICES slices down; slice s
+// adds the partial rows s, s + REDUCE_SLICES, ..., then the slices are added in order. Many
+// slices and 16-byte loads keep enough bytes in flight: with 8 slices of 4-byte loads this
+// kernel waited on memory latency and took as long as the whole dx pass at 256 x 4096 (run O).
+constexpr int REDUCE_COLUMNS = 32, REDUCE_SLICES = 32;   // the block: 8 x 32 = 256 threads
+constexpr int REDUCE_ACROSS = REDUCE_COLUMNS / 4;
 
 template <typename W>
-__global__ void __launch_bounds__(REDUCE_COLUMNS * REDUCE_SLICES)
+__global__ void __launch_bounds__(REDUCE_ACROSS * REDUCE_SLICES)
 rms_norm_backward_reduce_kernel(const float* partials, W* dweight, const ReduceParams p) {
-    __shared__ float slices[REDUCE_SLICES][REDUCE_COLUMNS];
-    const int lane = threadIdx.x % REDUCE_COLUMNS, slice = threadIdx.x / REDUCE_COLUMNS;
-    const long long j = (long long)blockIdx.x * REDUCE_COLUMNS + lane;
+    __shared__ float4 slices[REDUCE_SLICES][REDUCE_ACROSS];
+    const int lane = threadIdx.x % REDUCE_ACROSS, slice = threadIdx.x / REDUCE_ACROSS;
+    const long long j = (long long)blockIdx.x * REDUCE_COLUMNS + 4 * lane;   // this thread's first column
     wait_for_previous_kernel();
-    float s = 0.f;
-    if (j < p.hidden) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (p.hidden % 4 == 0 && j < p.hidden) {
+        const float* col = partials + j;
+#pragma unroll 8
+        for (long long k = slice; k < p.partials; k += REDUCE_SLICES) {
+            const float4 v = *reinterpret_cast<const float4*>(col + k * p.hidden);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+    } else if (j < p.hidden) {
+        const int n = (int)min(4LL, p.hidden - j);
 #pragma unroll 4
-        for (long long k = slice; k < p.partials; k += REDUCE_SLICES) s += partials[k * p.hidden + j];
+        for (long long k = slice; k < p.partials; k += REDUCE_SLICES) {
+            const float* row = partials + k * p.hidden + j;
+            s.x += row[0];
+            if (n > 1) s.y += row[1];
+            if (n > 2) s.z += row[2];
+            if (n > 3) s.w += row[3];
+        }
     }
     slices[slice][lane] = s;
     __syncthreads();
     if (slice == 0 && j < p.hidden) {
-        float total = 0.f;
+        float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int k = 0; k < REDUCE_SLICES; ++k) total += slices[k][lane];
-        dweight[j] = from_float<W>(total);
+        for (int k = 0; k < REDUCE_SLICES; ++k) {
+            const float4 v = slices[k][lane];
+            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+        }
+        const int n = (int)min(4LL, p.hidden - j);
+        dweight[j] = from_float<W>(t.x);
+        if (n > 1) dweight[j + 1] = from_float<W>(t.y);
+        if (n > 2) dweight[j + 2] = from_float<W>(t.z);
+        if (n > 3) dweight[j + 3] = from_float<W>(t.w);
     }
     allow_next_kernel();
+}
+
+// ---- Rows staged in shared memory by bulk copies (sm_90) -----------------------------------
+// The kernel above keeps the rows it works on in registers: at most two rows in flight per
+// block, two blocks per SM for rows of 512 vectors, too few bytes in flight to cover DRAM
+// latency (at 16384 x 4096 bf16 it moved half of what a copy does). Here, for rows on the
+// 16-byte grid (every array: EDGES false, 16-byte vectors), each block keeps a ring of
+// p.stages rows in shared memory: one thread issues a bulk copy (cp.async.bulk, the Tensor
+// Memory Accelerator) per array of the next rows, an mbarrier per stage counts the bytes
+// in, and the block computes on the oldest stage. Bytes in flight then cost shared memory,
+// not registers. The math, the per-row sums and their order are the register kernel's with
+// one vector per thread and step (THREAD_VECS steps of ROW_THREADS threads); each thread
+// keeps its columns' weights and dweight sums in registers (its columns never change).
+// Stage s holds dy, x and (kAddGrad) d_residual_out of one row, row_bytes each; the
+// mbarriers follow the last stage. Stage s is refilled after the barrier of the row that
+// follows its row (every thread has then finished with it).
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void stage_init(unsigned bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+#endif
+}
+
+// Make the initialised barriers visible to the other threads and to the bulk copies.
+__device__ __forceinline__ void stage_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// The barrier's one arrival, announcing `bytes` to come from bulk copies.
+__device__ __forceinline__ void stage_expect(unsigned bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+// Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory.
+__device__ __forceinline__ void stage_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
+}
+
+// Wait until the barrier's phase of this parity has completed (its bytes have landed).
+__device__ __forceinline__ void stage_wait(unsigned bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "STAGE_WAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+        "@!done bra STAGE_WAIT;\n\t}" ::"r"(bar), "r"(parity) : "memory");
+#endif
+}
+
+// Launch bounds: 1024 resident threads per SM (at most 64 registers a thread), if shared
+// memory lets that many blocks in; half that for rows of more than two steps (their
+// weights and sums take 16 registers a step, and their stages leave room for few blocks).
+template <typename T, typename W, int ROW_THREADS, int THREAD_VECS>
+__global__ void __launch_bounds__(ROW_THREADS, THREAD_VECS > 2 ? (ROW_THREADS >= 512 ? 1 : 512 / ROW_THREADS)
+                                                                : 1024 / ROW_THREADS)
+rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
+                                float* partials, W* dweight, const BackwardParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int VEC = 16 / (int)sizeof(T);
+    using VecT = Pack<T, VEC>;
+    static_assert(ROW_THREADS > 32, "a staged row takes a block");
+    extern __shared__ __align__(128) unsigned char staged[];
+
+    const int hidden = p.hidden, flags = p.flags, stages = p.stages, n = p.hidden / VEC;
+    const float w_offset = p.weight_offset;
+    const bool add_grad = flags & kAddGrad, weight_grad = flags & kWeightGrad;
+    const unsigned row_bytes = (unsigned)hidden * sizeof(T);
+    const unsigned stage_bytes = (add_grad ? 3u : 2u) * row_bytes;
+    const unsigned bars = shared_address(staged) + stages * stage_bytes;   // 8 bytes each
+    const int tid = threadIdx.x;
+    const long long begin = (long long)blockIdx.x * p.rows_per_block;
+    const int count = (int)(min(begin + p.rows_per_block, p.rows) - begin);   // < 2^31 (the plan checks)
+
+    if (tid == 0) {
+        for (int s = 0; s < stages; ++s) stage_init(bars + 8 * s);
+        stage_init_fence();
+    }
+    __syncthreads();
+    wait_for_previous_kernel();                  // no global memory access before this
+
+    float wv[THREAD_VECS][VEC], dws[THREAD_VECS][VEC];
+    const bool w_vec = (flags & kHasWeight) && (reinterpret_cast<unsigned long long>(w) % sizeof(Pack<W, VEC>)) == 0;
+#pragma unroll
+    for (int i = 0; i < THREAD_VECS; ++i) {
+        const int v = tid + i * ROW_THREADS;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) { wv[i][e] = 1.f; dws[i][e] = 0.f; }
+        if (v < n) weights_at<W, VEC>(w, v, w_vec, w_offset, flags, wv[i]);
+    }
+
+    // thread 0: bring row `begin + k` into stage k % stages
+    const auto issue = [&](int k) {
+        const long long r = begin + k;
+        long long outer = r, inner = 0;
+        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+        const int s = k % stages;
+        const unsigned bar = bars + 8 * s, dst = shared_address(staged) + s * stage_bytes;
+        stage_expect(bar, stage_bytes);
+        stage_copy(dst, row_of(dy, p.dy, outer, inner), row_bytes, bar);
+        stage_copy(dst + row_bytes, row_of(x, p.x, outer, inner), row_bytes, bar);
+        if (add_grad) stage_copy(dst + 2 * row_bytes, row_of(d_residual_out, p.d_residual_out, outer, inner), row_bytes, bar);
+    };
+    if (tid == 0)
+        for (int k = 0; k < min(stages, count); ++k) issue(k);
+
+    for (int k = 0; k < count; ++k) {
+        const int s = k % stages;
+        stage_wait(bars + 8 * s, (unsigned)((k / stages) & 1));
+        const VecT* sdy = reinterpret_cast<const VecT*>(staged + s * stage_bytes);
+        const VecT* sx = sdy + n;
+        const VecT* sres = sx + n;
+        float ss = 0.f, sgx = 0.f;               // sum x^2, sum g * x
+#pragma unroll
+        for (int i = 0; i < THREAD_VECS; ++i) {
+            const int v = tid + i * ROW_THREADS;
+            if (v >= n) continue;
+            const VecT a = sdy[v], b = sx[v];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float xf = to_float(b.v[e]);
+                ss += xf * xf;
+                sgx += to_float(a.v[e]) * wv[i][e] * xf;
+            }
+        }
+        row_sums<ROW_THREADS>(ss, sgx, k & 1);
+        // every thread is past row k - 1: its stage takes row k - 1 + stages
+        if (tid == 0 && k >= 1 && k - 1 + stages < count) issue(k - 1 + stages);
+        const float inv_rms = rsqrtf(ss / (float)hidden + p.eps);
+        const float c = sgx * inv_rms / (float)hidden;     // mean(g * xhat)
+        const long long r = begin + k;
+        long long outer = r, inner = 0;
+        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+        VecT* dxv = reinterpret_cast<VecT*>(const_cast<T*>(row_of<T>(dx, p.dx, outer, inner)));
+#pragma unroll
+        for (int i = 0; i < THREAD_VECS; ++i) {
+            const int v = tid + i * ROW_THREADS;
+            if (v >= n) continue;
+            const VecT a = sdy[v], b = sx[v];
+            VecT add, o;
+            if (add_grad) add = sres[v];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float dyf = to_float(a.v[e]), xf = to_float(b.v[e]);
+                o.v[e] = dx_of<T>(dyf, xf, wv[i][e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
+                if (weight_grad) dws[i][e] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+            }
+            dxv[v] = o;
+        }
+    }
+
+    if (weight_grad) {                           // this block's sums: its row of partials, or dweight
+        const bool direct = flags & kDirectWeight;
+        float* block_partials = partials + (long long)blockIdx.x * hidden;
+#pragma unroll
+        for (int i = 0; i < THREAD_VECS; ++i) {
+            const int v = tid + i * ROW_THREADS;
+            if (v >= n) continue;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                if (direct) dweight[v * VEC + e] = from_float<W>(dws[i][e]);
+                else block_partials[v * VEC + e] = dws[i][e];
+            }
+        }
+    }
+    allow_next_kernel();
+#endif
 }
 
 }  // namespace rmsnorm

@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python3 tests/sanitize_backward_grid.py [--quick]
 
 Covers every launch shape of cupy_rmsnorm.backward_plan (warp groups sharing a block, a
-block per row with the row in registers, a streamed block per row) and the dweight
+block per row with the row in registers, a streamed block per row, rows staged in shared
+memory by bulk copies where the device has them) and the dweight
 reduction, every dtype, both backward ops (the fused one with and without a residual_out
 gradient), both casting modes, weights of x's dtype / float32 / none (offsets 0 and 1),
 rows at odd element offsets, strided rows (each row at another alignment), a (tokens,
@@ -33,10 +34,10 @@ from cupy_rmsnorm import _driver, _launcher, _plan
 OPS = ("rms_norm", "fused", "fused_dres")
 HIDDEN = (7, 255, 1000, 4095, 33001)     # warp groups; blocks (both widths); streamed
 LAYOUTS = ("contiguous", "offset_out", "strided", "heads", "mixed")
-QUICK_LAYOUTS = ("strided", "mixed")
-SANITIZE_SMS = 4                         # plans as for 4 SMs: a few blocks, each looping over rows
+QUICK_LAYOUTS = ("contiguous", "strided", "mixed")   # contiguous: the staged rows
+SANITIZE_SMS = 1                         # plans as for 1 SM: a few blocks, each looping over 8+ rows
 ROWS_SHORT, ROWS_LONG = 600, 64          # hidden <= 255 (32 groups of a block need 2+ rows each); longer
-SHAPES = {"warp", "block", "stream"}
+SHAPES = {"warp", "block", "stream"}    # and "staged" on sm_90+
 # float32 arithmetic in another order than NumPy's; dx is a difference (cancellation): a
 # tolerance relative to the magnitudes that meet in it
 NOISE = 3e-5
@@ -44,8 +45,8 @@ SPACING = {"float32": 2.0 ** -22, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}  
 
 
 def launch_shapes(plans):
-    return {("stream" if p.vecs_per_thread == 0 else "warp" if p.threads_per_row <= _plan.WARP else "block", p.vec)
-            for p in plans}
+    return {("staged" if p.variant == "staged" else "stream" if p.vecs_per_thread == 0
+             else "warp" if p.threads_per_row <= _plan.WARP else "block", p.vec) for p in plans}
 
 
 def close(name, got, want, scale, dtype_name):
@@ -130,7 +131,7 @@ def main():
           f"vector widths {sorted({v for _, v in seen})}", flush=True)
     if wrong:
         return 3
-    if set(shapes) != SHAPES:
+    if set(shapes) != SHAPES | ({"staged"} if device.shared_per_sm else set()):
         print("sanitize_backward_grid: the grid missed a launch shape", flush=True)
         return 4
     return 0

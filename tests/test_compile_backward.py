@@ -127,3 +127,41 @@ def test_register_variants_do_not_spill():
         spills = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", text, re.S)
         assert len(spills) == len(names)
         assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]
+
+
+# -- staged rows (sm_90 bulk copies) ------------------------------------------------------------
+
+H200_SHARED = {"shared_per_sm": 233472, "shared_per_block": 232448}
+
+
+def staged_plans(dtype):
+    """Every distinct staged plan (template arguments) over hidden sizes of 65..4096 vectors
+    at full width, for both ops (two or three arrays a stage)."""
+    vec = 16 // ITEMSIZE[dtype]
+    plans = {}
+    for n in (65, 128, 129, 256, 257, 512, 513, 640, 1024, 1025, 1536, 2048, 4096):
+        for arrays in (2, 3):
+            p = backward_plan(16384, n * vec, ITEMSIZE[dtype], vec, SMS, edges=False, arrays=arrays, **H200_SHARED)
+            if p.variant == "staged":
+                plans.setdefault(p.template_args(), p)
+    return plans
+
+
+@pytest.mark.parametrize("dtype", list(CUDA_TYPES))
+def test_staged_variants_compile_without_spills(dtype):
+    """The staged kernel's instantiations compile for every architecture (before sm_90 to an
+    empty body: the plan never picks it there) and, at sm_90 with ptxas -v, do not spill
+    (weights and dweight sums live in registers, 16 a step; steps are capped for that): none
+    at one step, the 4096-wide rows; at two steps, under 64 registers, ptxas keeps at most 32
+    bytes on the stack (half x with half weights), which is allowed here."""
+    plans = staged_plans(dtype).values()
+    assert {p.vecs_per_thread for p in plans} >= {1, 2} and max(p.threads_per_row for p in plans) == 512
+    names = sorted({backward_instantiation_name(dtype, w, p) for p in plans for w in (dtype, "float32")})
+    for arch in ARCHS:
+        assert _compile.compile_offline(names, arch, "backward")
+    log = []
+    _compile.compile_offline(names, "sm_90", "backward", ("-Xptxas=-v",), log)
+    text = log[0].replace("\0", "")
+    spills = re.findall(r"Compiling entry function '(\w+staged\w+Li(\d+)EEEv\w+)'.*?(\d+) bytes spill stores", text, re.S)
+    assert len(spills) == len(names)
+    assert all(b == "0" or (steps != "1" and int(b) <= 32) for _, steps, b in spills), spills

@@ -56,6 +56,6 @@ def test_refused_attribute_falls_back_for_good(monkeypatch):
     kernel, argv = _driver.KernelLaunch(7, (2, 1), 128), ctypes.c_void_p(99)
     with pytest.warns(RuntimeWarning, match="cuLaunchKernelEx failed"):
         _driver.launch(dev, kernel, 5, argv)
-    assert dev.pdl is False and plain == [(0, 7, (2, 1), 128, 5, 99)]
+    assert dev.pdl is False and plain == [(0, 7, (2, 1), 128, 0, 5, 99)]   # no dynamic shared memory
     _driver.launch(dev, kernel, 5, argv)            # plain, and no second warning
     assert len(plain) == 2

@@ -27,7 +27,7 @@ import pytest
 from helpers import DTYPES, gpu_missing, requires_gpu, torch_cuda_missing
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _launcher
+from cupy_rmsnorm import _driver, _launcher
 
 if gpu_missing() is None:
     import cupy as cp
@@ -263,6 +263,9 @@ FORCED = {
     "stream": ({"vecs_per_thread": 0}, {4: 4096, 2: 4096}),
     "block-1024": ({"threads_per_row": 1024, "vecs_per_thread": 1}, {4: 4096, 2: 8000}),
     "warp-group-32": ({"threads_per_row": 32, "vecs_per_thread": 2}, {4: 255, 2: 511}),
+    # staged (sm_90+): four steps a row, and two stages refilled as the block loops
+    "staged-128x4": ({"threads_per_row": 128, "vecs_per_thread": 4, "stages": 2}, {4: 2048, 2: 4096}),
+    "staged-512x1": ({"threads_per_row": 512, "vecs_per_thread": 1, "stages": 3}, {4: 1500, 2: 3000}),
 }
 
 
@@ -272,6 +275,8 @@ def test_forced_plans(case, dtype_name):
     """The streamed and block variants on ordinary rows (the grid meets the stream only at
     hidden 65536 and on the scalar path), and a warp group with rows of up to 64 vectors."""
     force, hidden_of = FORCED[case]
+    if "stages" in force and not _driver.device(cp.cuda.Device().id).shared_per_sm:
+        pytest.skip("staged rows need sm_90's bulk copies")
     hidden = hidden_of[np.dtype(DTYPES[dtype_name]).itemsize]
     rs = cp.random.RandomState(_seed("forced", dtype_name, case))
     plans, failures = [], []
@@ -289,6 +294,44 @@ def test_forced_plans(case, dtype_name):
     assert plans and all(p.vecs_per_thread == force["vecs_per_thread"] for p in plans), plans
     assert all(p.vec == 16 // np.dtype(DTYPES[dtype_name]).itemsize for p in plans), plans
     assert not failures, "\n".join(failures)
+
+
+def test_a_plan_fitted_to_its_kernels_occupancy_keeps_that_kernel():
+    """float32 rows of 4096: the heuristic gives 1000 rows the register kernel (1024 threads,
+    one block an SM); planned again for that occupancy the rows would qualify for the staged
+    kernel, which was not the one compiled (that launch failed: CUDA_ERROR_INVALID_VALUE)."""
+    rs = cp.random.RandomState(_seed("replan", 1))
+    plans = []
+    with _launcher.forced_backward_plan(record=plans):
+        for op in OPS:
+            msg = run_call(Data(rs, op, "float32", (1000, 4096), "fp32", "same", 0.0), "2d")
+            assert msg is None, (op, msg)
+    assert plans and all(p.variant == "registers" and p.block == 1024 for p in plans), plans
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("op", OPS)
+def test_staged_rows_give_the_register_kernels_bits(op, dtype_name):
+    """The staged kernel is the register kernel's arithmetic with the row read from shared
+    memory: at the same geometry (one vector a thread, 512 threads) and the same blocks,
+    dx and dweight are identical bit for bit."""
+    if not _driver.device(cp.cuda.Device().id).shared_per_sm:
+        pytest.skip("staged rows need sm_90's bulk copies")
+    hidden = 4096 if np.dtype(DTYPES[dtype_name]).itemsize == 2 else 2048       # 512 vectors
+    data = Data(cp.random.RandomState(_seed("staged bits", op, dtype_name)), op, dtype_name, (3000, hidden),
+                "llama", "float32", 0.0)
+    results, plans = [], []
+    for staged in (False, True):
+        with _launcher.forced_backward_plan(record=plans, staged=staged, threads_per_row=512, vecs_per_thread=1):
+            if op == "rms_norm":
+                results.append(rn.rms_norm_backward(data.dy, data.x, data.w, EPS, casting_mode="llama"))
+            else:
+                dres = data.dres if op == "fused_dres" else None
+                results.append(rn.fused_add_rms_norm_backward(data.dy, dres, data.x, data.w, EPS, casting_mode="llama"))
+    assert [p.variant for p in plans] == ["registers", "staged"], plans
+    assert plans[0].grid == plans[1].grid and plans[0].rows_per_block == plans[1].rows_per_block, plans
+    for a, b in zip(*results):        # (dx, dweight): the same bytes
+        assert a.dtype == b.dtype and a.shape == b.shape and bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
 
 
 def test_no_rows():

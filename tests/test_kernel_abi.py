@@ -67,7 +67,9 @@ def test_reduce_geometry_matches_the_kernel():
     src = kernel_source("backward")
     m = re.search(r"constexpr int REDUCE_COLUMNS = (\d+), REDUCE_SLICES = (\d+);", src)
     assert int(m.group(1)) == _launcher.REDUCE_COLUMNS
-    assert int(m.group(1)) * int(m.group(2)) == _launcher.REDUCE_BLOCK
+    # four columns a thread across, REDUCE_SLICES threads down
+    assert "REDUCE_ACROSS = REDUCE_COLUMNS / 4;" in src
+    assert int(m.group(1)) // 4 * int(m.group(2)) == _launcher.REDUCE_BLOCK
 
 
 def test_backward_groups_match_the_plan():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cupy_rmsnorm as rn
+from cupy_rmsnorm import _compile as _compile_names
 from cupy_rmsnorm import _layout
 from cupy_rmsnorm._plan import vector_width
 
@@ -659,6 +660,136 @@ def test_backward_plan_properties():
                 assert p.grid * p.rows_per_block >= rows and (p.grid - 1) * p.rows_per_block < max(rows, 1), ctx
                 per_sm = max(1, min(1024 // p.block, occupancy or 1024))
                 assert p.grid <= sms * per_sm, ctx
+
+
+# -- staged backward rows (sm_90: bulk copies into shared memory) ---------------------------------
+
+H200_SHARED = {"shared_per_sm": 233472, "shared_per_block": 232448}   # the H200's, as the driver reports
+STAGED_RESERVE = 1024 + 256      # per block: CUDA's reserved kilobyte, the kernel's static shared memory
+
+# (rows, hidden, itemsize, vec, arrays) -> (threads per row, steps, rows_per_block, grid, stages),
+# by hand: threads = next power of two of n within [64, 512], steps = ceil(n / threads);
+# stage = arrays x hidden x itemsize + 8; blocks per SM 1024 // threads, fewer until four stages
+# fit each one's share of the SM (or one block is left); stages: as many as fit, at most 4 and
+# at most rows_per_block; staged from 12 rows per SM.
+STAGED_TABLE = [
+    ((16384, 4096, 2, 8, 2), (512, 1, 63, 261, 4)),     # 2 blocks; 115456 // 16392 = 7 fit
+    ((16384, 4096, 2, 8, 3), (512, 1, 63, 261, 4)),     # 115456 // 24584 = 4
+    ((4096, 8192, 2, 8, 3), (512, 2, 32, 128, 4)),      # two blocks: 115456 // 49160 = 2; one: 4
+    ((4096, 2048, 2, 8, 2), (256, 1, 8, 512, 4)),       # 4 blocks; 57088 // 8200 = 6
+    ((4096, 8192, 4, 4, 2), (512, 4, 32, 128, 3)),      # n = 2048; one block: 232192 // 65544 = 3
+    ((8192, 1000, 2, 8, 2), (128, 1, 8, 1024, 4)),      # n = 125; 8 blocks an SM, 8 rows each
+]
+
+
+@pytest.mark.parametrize("args, expected", STAGED_TABLE, ids=[str(a) for a, _ in STAGED_TABLE])
+def test_staged_backward_plan_table(args, expected):
+    rows, hidden, itemsize, vec, arrays = args
+    p = rn.backward_plan(rows, hidden, itemsize, vec, H200_SMS, edges=False, arrays=arrays, **H200_SHARED)
+    assert (p.variant, p.threads_per_row, p.vecs_per_thread, p.rows_per_block, p.grid, p.stages) == ("staged", *expected)
+    stage = arrays * hidden * itemsize + 8
+    assert p.shared_bytes == p.stages * stage and p.block == p.threads_per_row and p.groups_per_block == 1
+    assert p.template_args() == expected[:2] and not p.edges
+    name = _compile_names.backward_instantiation_name("bfloat16", None, p)
+    assert name == f"rmsnorm::rms_norm_backward_staged_kernel<__nv_bfloat16, __nv_bfloat16, {expected[0]}, {expected[1]}>"
+
+
+@pytest.mark.parametrize("args, why", [
+    ((4096, 4096, 2, 8), {"edges": True}),                          # rows off the 16-byte grid
+    ((4096, 4096, 2, 4), {}),                                       # 8-byte vectors
+    ((4096, 4096, 2, 8), {"shared_per_sm": 0, "shared_per_block": 0}),   # no bulk copies (before sm_90)
+    ((4096, 512, 2, 8), {}),                                        # 64 vectors: warp groups
+    ((1024, 4096, 2, 8), {}),                                       # 7.8 rows an SM
+    ((1583, 1000, 2, 8), {}),                                       # one row short of 12 an SM
+    ((4096, 32768, 2, 8), {}),                                      # 8 steps a row
+    ((64, 65536, 2, 8), {}),                                        # two stages do not fit
+    ((4096, 4096, 2, 8), {"threads_per_row": 512, "vecs_per_thread": 1}),   # a forced register geometry
+    ((4096, 4096, 2, 8), {"stages": 0}),
+])
+def test_backward_plans_that_are_not_staged(args, why):
+    kw = {"edges": False, **H200_SHARED, **why}
+    assert rn.backward_plan(*args, H200_SMS, **kw).variant != "staged"
+
+
+def test_staged_backward_plan_forced_and_refused():
+    p = rn.backward_plan(1024, 4096, 2, 8, H200_SMS, edges=False, threads_per_row=128, stages=2, **H200_SHARED)
+    assert (p.variant, p.threads_per_row, p.vecs_per_thread, p.stages) == ("staged", 128, 4, 2)
+    p = rn.backward_plan(1, 4096, 2, 8, H200_SMS, edges=False, stages=3, **H200_SHARED)
+    assert (p.variant, p.rows_per_block, p.stages) == ("staged", 1, 1)      # one row: one stage
+    with pytest.raises(ValueError, match="16-byte grid"):
+        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=True, stages=2, **H200_SHARED)
+    # three stages of 48 KiB: one block an SM instead of two; five do not fit a block
+    p = rn.backward_plan(4096, 8192, 2, 8, H200_SMS, edges=False, arrays=3, stages=3, **H200_SHARED)
+    assert (p.stages, p.grid, p.rows_per_block) == (3, 128, 32)
+    with pytest.raises(ValueError, match="5 stages of 49160 bytes"):
+        rn.backward_plan(4096, 8192, 2, 8, H200_SMS, edges=False, arrays=3, stages=5, **H200_SHARED)
+    with pytest.raises(ValueError, match="two stages or more"):
+        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, stages=1, **H200_SHARED)
+    assert rn.backward_plan(1584, 1000, 2, 8, H200_SMS, edges=False, **H200_SHARED).variant == "staged"
+    # staged=True: staged wherever it can run (here four rows a block, which the heuristic leaves
+    # to the register kernel), or an error; staged=False: never
+    assert rn.backward_plan(1024, 4096, 2, 8, H200_SMS, edges=False, **H200_SHARED).variant == "registers"
+    p = rn.backward_plan(1024, 4096, 2, 8, H200_SMS, edges=False, staged=True, **H200_SHARED)
+    assert (p.variant, p.rows_per_block, p.stages) == ("staged", 4, 4)
+    assert rn.backward_plan(16384, 4096, 2, 8, H200_SMS, edges=False, staged=False, **H200_SHARED).variant == "registers"
+    with pytest.raises(ValueError, match="16-byte grid"):
+        rn.backward_plan(4096, 4096, 2, 4, H200_SMS, edges=False, staged=True, **H200_SHARED)
+    with pytest.raises(ValueError, match="at most 4 vectors"):
+        rn.backward_plan(4096, 32768, 2, 8, H200_SMS, edges=False, staged=True, **H200_SHARED)
+    with pytest.raises(ValueError, match="covering it"):
+        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, threads_per_row=128, vecs_per_thread=2,
+                         stages=2, **H200_SHARED)
+
+
+def test_the_launchers_replan_keeps_the_kernel():
+    """The launcher plans, compiles that plan's kernel, asks the driver how many of its blocks
+    fit an SM and plans again with that and ``staged`` set to the first plan's kind: the
+    second plan must launch the same kernel (an earlier heuristic turned a register plan
+    staged at lower occupancy, and the H200 refused that launch: CUDA_ERROR_INVALID_VALUE)."""
+    for rows, hidden, itemsize, arrays in itertools.product((1000, 1584, 4096, 16384), (1000, 2048, 4096, 8192),
+                                                            (2, 4), (2, 3)):
+        vec = 16 // itemsize
+        if hidden % vec:
+            continue
+        first = rn.backward_plan(rows, hidden, itemsize, vec, H200_SMS, edges=False, arrays=arrays, **H200_SHARED)
+        for occupancy in (1, 2, 3):
+            again = rn.backward_plan(rows, hidden, itemsize, vec, H200_SMS, edges=False, arrays=arrays,
+                                     max_blocks_per_sm=occupancy, staged=first.variant == "staged", **H200_SHARED)
+            ctx = (rows, hidden, itemsize, arrays, occupancy, first, again)
+            assert again.variant == first.variant and again.template_args() == first.template_args(), ctx
+            assert again.grid <= H200_SMS * occupancy, ctx
+
+
+def test_staged_backward_plan_properties():
+    count = 0
+    for hidden in _sampled_hidden_sizes():
+        for itemsize in (2, 4):
+            vec = 16 // itemsize
+            if hidden % vec:
+                continue
+            count += 1
+            n = hidden // vec
+            rows = (1, 257, 4096, 16384, 10 ** 6)[count % 5]
+            occupancy = (None, 1, 2, 3)[count % 4]
+            arrays = 2 + count % 2
+            p = rn.backward_plan(rows, hidden, itemsize, vec, H200_SMS, edges=False, arrays=arrays,
+                                 max_blocks_per_sm=occupancy, **H200_SHARED)
+            ctx = (rows, hidden, itemsize, arrays, occupancy, p)
+            if p.variant != "staged":
+                continue
+            g = p.threads_per_row
+            assert g & (g - 1) == 0 and 64 <= g <= 512 and g * p.vecs_per_thread >= n, ctx
+            assert 1 <= p.vecs_per_thread <= 4 and n > 64, ctx
+            assert 1 <= p.stages <= min(4, p.rows_per_block) and rows >= 12 * H200_SMS, ctx
+            assert p.stages >= 2 or p.rows_per_block == 1, ctx
+            stage = arrays * hidden * itemsize + 8
+            assert p.shared_bytes == p.stages * stage, ctx
+            per_sm = -(-p.grid // H200_SMS)
+            assert p.shared_bytes + STAGED_RESERVE <= H200_SHARED["shared_per_block"], ctx
+            assert per_sm * (p.shared_bytes + STAGED_RESERVE) <= H200_SHARED["shared_per_sm"], ctx
+            assert per_sm <= min(1024 // g, occupancy or 1024), ctx
+            assert p.grid * p.rows_per_block >= rows and (p.grid - 1) * p.rows_per_block < rows, ctx
+    assert count > 20
 
 
 def test_backward_plan_refuses_a_geometry_that_misses_part_of_the_row():
