@@ -6,7 +6,7 @@
 #   1. GPU tests of the backward and of the torch integration (pytest -n 8)   ~1.5-3 min (limit 180 s)
 #   2. compute-sanitizer memcheck / racecheck / initcheck of the backward grid  ~1-3 min (limit 180 s)
 #   3. benchmarks/train_llama.py (HF Llama 4 x 1024, 100 AdamW steps, twice)   ~0.5-1 min (limit 100 s)
-#   4. benchmarks/backward.py with the time left of TOTAL_S=570 (shapes past its budget are skipped)
+#   4. python -m cupy_rmsnorm.bench backward with the time left of TOTAL_S=570 (shapes past its budget are skipped)
 set -uo pipefail
 out=${1:?usage: bash scripts/backward_device.sh OUTDIR}
 mkdir -p "$out"
@@ -35,7 +35,7 @@ timeout -k 10 "${TRAIN_S:-100}" python3 benchmarks/train_llama.py --out "$out" 2
 left=$(( TOTAL_S - SECONDS - 40 ))
 echo "== 4. benchmark ($SECONDS s; budget ${left} s)"
 if [ "$left" -gt 30 ]; then
-  timeout -s INT -k 10 $(( left + 30 )) python3 benchmarks/backward.py --out "$out" --budget-s "$left" --repeats 5 --target-us 1500 2>&1 \
+  timeout -s INT -k 10 $(( left + 30 )) python3 -m cupy_rmsnorm.bench backward --out "$out" --budget-s "$left" --repeats 5 --target-us 1500 2>&1 \
     | tee "$out/backward_bench.log" | tail -40
 else
   echo "no time left for the benchmark"

@@ -1,16 +1,19 @@
-"""benchmarks/backward.py and benchmarks/train_llama.py on the CPU: arguments, the table
-and the files (the timing itself needs a GPU), and a clear message without one."""
+"""``python -m cupy_rmsnorm.bench backward`` (cupy_rmsnorm/bench/backward.py) and
+benchmarks/train_llama.py on the CPU: arguments, the table and the files (the timing itself
+needs a GPU), and a clear message without one."""
 
 import json
 
 import pytest
 from helpers import load_benchmark
 
+from cupy_rmsnorm.bench import backward as b
+from cupy_rmsnorm.bench import cli
+
 _load = load_benchmark
 
 
 def test_backward_arguments_table_and_files(tmp_path):
-    b = _load("backward")
     args = b.parse_args(["--out", str(tmp_path), "--shapes", "1x4096,4096x4095", "--dtypes", "bfloat16"])
     assert args.shapes == [(1, 4096), (4096, 4095)] and args.dtypes == ["bfloat16"]
     assert args.modes == ["graph", "cold"] and b.parse_args(["--out", "x", "--modes", "cold"]).modes == ["cold"]
@@ -32,7 +35,7 @@ def test_backward_without_a_gpu_says_why(tmp_path, capsys):
     from helpers import gpu_missing
     if gpu_missing() is None:
         pytest.skip("a GPU is present: the benchmark would run")
-    assert _load("backward").main(["--out", str(tmp_path)]) == 2
+    assert cli.main(["backward", "--out", str(tmp_path)]) == 2      # the subcommand reaches it
     assert "no GPU run" in capsys.readouterr().out
 
 

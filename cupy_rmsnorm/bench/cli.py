@@ -3,7 +3,8 @@ benchmark report (its arguments; ``run`` measures, ``report`` prints and writes)
 
 Measures cupy_rmsnorm and its peers over a grid of shapes on the current GPU, prints a
 table per mode, op and dtype, and writes CSV, JSON, Markdown and PNG charts.
-``cupy-rmsnorm-bench e2e ...`` is the whole-model benchmark instead (``e2e.py``).
+``cupy-rmsnorm-bench e2e ...`` is the whole-model benchmark instead (``e2e.py``), and
+``cupy-rmsnorm-bench backward ...`` the backward's (``backward.py``).
 """
 
 import argparse
@@ -65,7 +66,9 @@ def build_parser():
         epilog=f"implementations:\n{impls}\n\nmodes:\n"
                + "\n".join(f"  {shapes.MODE_TITLES[m]}" for m in shapes.MODES)
                + "\n\nwhole-model benchmark (a Llama-shaped transformers model generating):\n"
-                 "  cupy-rmsnorm-bench e2e --help")
+                 "  cupy-rmsnorm-bench e2e --help"
+               + "\n\nthe backward (alone, and forward + backward; training):\n"
+                 "  cupy-rmsnorm-bench backward --help")
     p.add_argument("--ops", type=_list(str, shapes.OPS, "op"), default=list(shapes.OPS),
                    help="ops to measure: rms, fused (default: both)")
     p.add_argument("--dtypes", type=_list(shapes.parse_dtype, what="dtype"), default=None,
@@ -121,6 +124,9 @@ def main(argv=None):
     if argv[:1] == ["e2e"]:      # the whole-model benchmark, with options of its own
         from . import e2e
         return e2e.main(argv[1:])
+    if argv[:1] == ["backward"]:  # the backward and forward + backward against the peers
+        from . import backward
+        return backward.main(argv[1:])
     args = parse_args(argv)
     if args.replot:
         return replot(args)

@@ -2,7 +2,7 @@
 against the peers, all in one run (graph mode: CUDA events around the replay of a graph of
 many calls; cold mode: one call after a 512 MiB write flushed the L2; medians over rounds).
 
-    python benchmarks/backward.py --out DIR [--dtypes bfloat16,float16] [--repeats 7] [--budget-s 240]
+    python -m cupy_rmsnorm.bench backward --out DIR [--dtypes bfloat16,float16] [--repeats 7] [--budget-s 240]
 
 Implementations (on the same torch tensors; weight of x's dtype, eps 1e-6):
 - ours: ``rn.rms_norm_backward(dy, x, w)`` (backward); ``torch.autograd.grad`` through
@@ -36,7 +36,7 @@ BYTES_PER_ELEMENT_MOVED = {"backward": 3, "forward+backward": 5}   # x-sized arr
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="cupy-rmsnorm-bench backward", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for backward.csv / backward.json")
     p.add_argument("--dtypes", default="bfloat16,float16")
     p.add_argument("--shapes", default=",".join(f"{r}x{h}" for r, h in SHAPES),
@@ -117,7 +117,7 @@ def agreement(x, w, dy):
 
 
 def measure(runner, fn, nbytes, bandwidth, args, mode="graph", scratch=None):
-    from cupy_rmsnorm.bench import timing
+    from . import timing
     calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
     return timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
 
@@ -198,7 +198,7 @@ def main(argv=None):
         with open(args.report) as f:
             write_report(args.out, json.load(f))
         return 0
-    from cupy_rmsnorm.bench import peers, timing
+    from . import peers, timing
     why = timing.gpu_missing() or peers.torch_missing()
     if why:
         print(f"backward benchmark: no GPU run ({why})")
