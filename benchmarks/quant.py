@@ -25,8 +25,6 @@ float32 order of the sum of squares account for the rest). Writes ``quant.csv`` 
 
 import argparse
 import ctypes
-import json
-import os
 import sys
 import time
 
@@ -170,15 +168,11 @@ def table(rows):
 
 
 def write(args, payload):
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "quant.json"), "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(os.path.join(args.out, "quant.csv"), "w") as f:
-        f.write("case,rows,hidden,bytes," + ",".join(f"{i}_us" for i in IMPLS) + ",agree\n")
-        for r in payload["results"]:
-            f.write(f"{r['case']},{r['rows']},{r['hidden']},{r['bytes']},"
-                    + ",".join("" if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS)
-                    + f",{'' if r.get('agree') is None else format(r['agree'], '.6f')}\n")
+    from cupy_rmsnorm.bench.report import us_cells, write_results
+    columns = ["case", "rows", "hidden", "bytes"] + [f"{i}_us" for i in IMPLS] + ["agree"]
+    write_results(args.out, "quant", payload, columns, lambda r: [
+        r["case"], str(r["rows"]), str(r["hidden"]), str(r["bytes"]), *us_cells(r["us"], IMPLS),
+        "" if r.get("agree") is None else format(r["agree"], ".6f")])
 
 
 def inputs(rows, hidden):

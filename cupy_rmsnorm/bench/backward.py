@@ -180,15 +180,11 @@ def write_report(out, payload):
 
 
 def write(args, payload):
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "backward.json"), "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(os.path.join(args.out, "backward.csv"), "w") as f:
-        f.write("dtype,rows,hidden,phase,mode," + ",".join(f"{i}_us" for i in IMPLS) + ",agree_dx,agree_dw\n")
-        for r in payload["results"]:
-            f.write(f"{r['dtype']},{r['rows']},{r['hidden']},{r['phase']},{r.get('mode', 'graph')},"
-                    + ",".join("" if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS)
-                    + f",{r['agree_dx']:.3e},{r['agree_dw']:.3e}\n")
+    from .report import us_cells, write_results
+    columns = ["dtype", "rows", "hidden", "phase", "mode"] + [f"{i}_us" for i in IMPLS] + ["agree_dx", "agree_dw"]
+    write_results(args.out, "backward", payload, columns, lambda r: [
+        r["dtype"], str(r["rows"]), str(r["hidden"]), r["phase"], r.get("mode", "graph"), *us_cells(r["us"], IMPLS),
+        f"{r['agree_dx']:.3e}", f"{r['agree_dw']:.3e}"])
 
 
 def main(argv=None):

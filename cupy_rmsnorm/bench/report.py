@@ -326,6 +326,22 @@ def write_json(path, payload):
         f.write("\n")
 
 
+def write_results(out_dir, stem, payload, columns, cells):
+    """``<stem>.json`` (the payload, as write_json writes it) and ``<stem>.csv`` in out_dir:
+    the ``columns`` line, then ``cells(result)`` for each of ``payload["results"]``."""
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(os.path.join(out_dir, f"{stem}.json"), payload)
+    with open(os.path.join(out_dir, f"{stem}.csv"), "w", encoding="utf-8") as f:
+        f.write(",".join(columns) + "\n")
+        for r in payload["results"]:
+            f.write(",".join(cells(r)) + "\n")
+
+
+def us_cells(us, impls):
+    """Microseconds per implementation, three decimals; empty where one was not measured."""
+    return ["" if us.get(i) is None else f"{us[i]:.3f}" for i in impls]
+
+
 def load_json(path):
     with open(path, encoding="utf-8") as f:
         return json.load(f)
