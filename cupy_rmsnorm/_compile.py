@@ -65,7 +65,8 @@ def quant_instantiation_name(dtype, weight_dtype, fused, plan, form, quant_dtype
 def backward_instantiation_name(dtype, weight_dtype, plan):
     """The name expression of the backward kernel a BackwardPlan needs (program "backward")."""
     args = ", ".join(str(a) for a in plan.template_args())
-    kernel = "rms_norm_backward_staged_kernel" if plan.variant == "staged" else "rms_norm_backward_kernel"
+    kernel = {"staged": "rms_norm_backward_staged_kernel", "row": "rms_norm_backward_row_kernel"}.get(
+        plan.variant, "rms_norm_backward_kernel")
     return f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, {args}>"
 
 

@@ -251,8 +251,11 @@ STAGE_BARRIER_BYTES = 8
 class BackwardPlan:
     """How one backward call is launched (kernels/rms_norm_backward.cu).
 
-    variant: "registers" / "stream" (rms_norm_backward_kernel) or "staged"
-      (rms_norm_backward_staged_kernel: rows brought into shared memory by bulk copies).
+    variant: "registers" / "stream" (rms_norm_backward_kernel), "row" (registers with a
+      block-wide group and no more rows than SMs, so one row a block:
+      rms_norm_backward_row_kernel, whose blocks write their dy * xhat as their partials
+      without summing them in shared memory) or "staged" (rms_norm_backward_staged_kernel:
+      rows brought into shared memory by bulk copies).
     vec, threads_per_row, vecs_per_thread, edges: as in ``LaunchPlan`` (staged: vectors
       per thread are the steps of a row, read from shared memory).
     groups_per_block: row groups per block (``256 / threads_per_row`` for groups of <= 32
@@ -325,11 +328,12 @@ def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_bloc
     sm_90+), rows take 16-byte vectors on the 16-byte grid (``not edges`` and
     ``vec * itemsize == 16``), rows are longer than BACKWARD_GROUP_VECTORS vectors, two
     stages of ``arrays`` rows fit a block and there are BACKWARD_STAGED_MIN_ROWS_PER_SM rows
-    per SM or more. Otherwise threads per row and vectors per
-    thread: ``backward_geometry``. The grid aims at BACKWARD_THREADS_PER_SM resident threads
-    per SM (at most ``max_blocks_per_sm`` blocks per SM, what the kernel's registers and
-    shared memory allow: the launcher asks the driver), every block looping over an equal
-    contiguous chunk of rows: a function of (rows, the geometry, sm_count,
+    per SM or more. Otherwise threads per row and vectors per thread: ``backward_geometry``
+    (a block-wide group with no more rows than SMs: the "row" variant, one row a block at
+    any occupancy). The grid aims at BACKWARD_THREADS_PER_SM resident threads per SM (at
+    most ``max_blocks_per_sm`` blocks per SM, what the kernel's registers and shared memory
+    allow: the launcher asks the driver), every block looping over an equal contiguous
+    chunk of rows: a function of (rows, the geometry, sm_count,
     max_blocks_per_sm) only, so the same call reduces in the same order every time.
     ``itemsize`` is x's. ``staged`` True / False requires or refuses the staged kernel
     (the launcher keeps the first plan's kernel when it replans for that kernel's
@@ -357,7 +361,11 @@ def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_bloc
     if max_blocks_per_sm is not None:
         per_sm = max(1, min(per_sm, max_blocks_per_sm))
     chunk, grid = _chunks(rows, sm_count * per_sm, groups)
-    return BackwardPlan("registers" if nv else "stream", vec, g, nv, groups, block, chunk, grid, bool(edges))
+    # no more rows than SMs: one row a block at any occupancy, so the plan fitted to the
+    # kernel's occupancy keeps this kernel
+    one_row = nv and groups == 1 and 1 <= rows <= sm_count
+    variant = "row" if one_row else "registers" if nv else "stream"
+    return BackwardPlan(variant, vec, g, nv, groups, block, chunk, grid, bool(edges))
 
 
 def _chunks(rows, target_grid, groups=1):

@@ -18,8 +18,10 @@
 // of ROW_THREADS threads (group k takes rows begin + k, begin + k + GROUPS, ...). Each group
 // adds dy * xhat per column over its rows, in shared memory (or, streamed, in the block's
 // partials row), and the block writes one float32 row of partial sums: partials[b][col].
-// The second kernel adds the partial rows in a fixed order. Nothing depends on timing (no float atomics): the same
-// inputs and plan give the same bits on every run.
+// (rms_norm_backward_row_kernel, no more rows than SMs: a block's one row is its partial row,
+// written from registers.) The second kernel adds the partial rows in a fixed order.
+// Nothing depends on timing (no float atomics): the same inputs and plan give the same bits
+// on every run.
 // rms_norm_backward_staged_kernel (below; sm_90, rows on the 16-byte grid, 8+ rows a block):
 // the same work split and arithmetic, with each block's next rows brought into shared memory
 // by bulk copies ahead of use, so that more bytes are in flight than registers can hold.
@@ -100,6 +102,41 @@ __device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
     }
 }
 
+// Where a block's dweight sums go: its row of float32 partials, or (direct: the grid's only
+// block) dweight itself in the weight's dtype. put_vector: VEC consecutive columns from j,
+// in 16-byte stores where the address allows.
+template <typename W>
+struct DweightRow {
+    float* partials;
+    W* dweight;
+    bool direct;
+
+    __device__ __forceinline__ void put(int j, float v) const {
+        if (direct) dweight[j] = from_float<W>(v);
+        else partials[j] = v;
+    }
+    template <int VEC>
+    __device__ __forceinline__ void put_vector(int j, const float (&v)[VEC]) const {
+        if (direct) {
+            W* d = dweight + j;
+            if (reinterpret_cast<unsigned long long>(d) % sizeof(Pack<W, VEC>) == 0) {
+                Pack<W, VEC> pk;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) pk.v[e] = from_float<W>(v[e]);
+                *reinterpret_cast<Pack<W, VEC>*>(d) = pk;
+                return;
+            }
+        } else if (VEC % 4 == 0 && reinterpret_cast<unsigned long long>(partials + j) % 16 == 0) {
+#pragma unroll
+            for (int e = 0; e < VEC; e += 4)
+                *reinterpret_cast<float4*>(partials + j + e) = make_float4(v[e], v[e + 1], v[e + 2], v[e + 3]);
+            return;
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) put(j + e, v[e]);
+    }
+};
+
 // Where row r's arrays start and how x's row splits into head / body / tail.
 struct RowView {
     long long outer, inner;
@@ -147,10 +184,13 @@ struct BackwardMinBlocks {
                                  : ROW_THREADS > 256 ? 1024 / ROW_THREADS : ROW_THREADS == 256 ? 4 : 3;
 };
 
-template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
-__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
-rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
-                         W* dweight, const BackwardParams p) {
+// ONE_ROW (rms_norm_backward_row_kernel; rows_per_block == 1, one group a block): the block's
+// dweight sums are its row's dy * xhat: they go from registers straight to its partials row,
+// or to dweight, without the shared-memory round trip and its barriers (as 0 + v, what the
+// sums would hold).
+template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, bool ONE_ROW>
+__device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
+                                              float* partials, W* dweight, const BackwardParams& p) {
     using VecT = Pack<T, VEC>;
     constexpr int GROUPS = ROW_THREADS <= 32 ? 256 / ROW_THREADS : 1;   // rows in flight per block
     constexpr int NV = THREAD_VECS > 0 ? THREAD_VECS : 1;
@@ -180,7 +220,8 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
     // row (the head's length follows each row's alignment), so rows are separated by a
     // barrier: the block's in row_sums, or a __syncwarp for warp groups.
     float* sums = THREAD_VECS > 0 ? dw_sums + group * SPAN : partials + (long long)blockIdx.x * hidden;
-    if (THREAD_VECS > 0 && weight_grad) {
+    const DweightRow<W> out_row{partials + (long long)blockIdx.x * hidden, dweight, (flags & kDirectWeight) != 0};
+    if (THREAD_VECS > 0 && weight_grad && !ONE_ROW) {
         for (int j = threadIdx.x; j < GROUPS * SPAN; j += blockDim.x) dw_sums[j] = 0.f;
         __syncthreads();
     }
@@ -266,13 +307,17 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
             const bool first_row = THREAD_VECS == 0 && row == begin;
             if (has_head) {
                 dxr[tid] = dx_of<T>(head_dy, head_x, head_w, inv_rms, c, add_grad ? to_float(dres[tid]) : 0.f);
-                if (weight_grad)
+                if (weight_grad && ONE_ROW)
+                    out_row.put(tid, 0.f + head_dy * xhat_for_weight<T>(head_x, inv_rms, flags));
+                else if (weight_grad)
                     sums[slot(tid)] = (first_row ? 0.f : sums[slot(tid)]) + head_dy * xhat_for_weight<T>(head_x, inv_rms, flags);
             }
             if (has_tail) {
                 const int j = tail_start + tid;
                 dxr[j] = dx_of<T>(tail_dy, tail_x, tail_w, inv_rms, c, add_grad ? to_float(dres[j]) : 0.f);
-                if (weight_grad)
+                if (weight_grad && ONE_ROW)
+                    out_row.put(j, 0.f + tail_dy * xhat_for_weight<T>(tail_x, inv_rms, flags));
+                else if (weight_grad)
                     sums[slot(j)] = (first_row ? 0.f : sums[slot(j)]) + tail_dy * xhat_for_weight<T>(tail_x, inv_rms, flags);
             }
             VecT* dxv = reinterpret_cast<VecT*>(dxr + head);
@@ -290,9 +335,16 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
                     for (int e = 0; e < VEC; ++e) {
                         const float dyf = to_float(kdy[i].v[e]), xf = to_float(kx[i].v[e]);
                         o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
-                        if (weight_grad) sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                        if (weight_grad && !ONE_ROW) sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
                     }
                     dxv[v] = o;
+                    if (weight_grad && ONE_ROW) {
+                        float dw_row[VEC];
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e)
+                            dw_row[e] = 0.f + to_float(kdy[i].v[e]) * xhat_for_weight<T>(to_float(kx[i].v[e]), inv_rms, flags);
+                        out_row.put_vector<VEC>(head + v * VEC, dw_row);
+                    }
                 }
             } else {                             // streamed: re-read the row (mostly from L2)
 #pragma unroll 2
@@ -320,7 +372,7 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
         if (GROUPS > 1) __syncwarp();            // this row's sums before the next row's
     }
 
-    if (THREAD_VECS > 0 && weight_grad) {        // the groups' sums, added in group order
+    if (THREAD_VECS > 0 && weight_grad && !ONE_ROW) {   // the groups' sums, added in group order
         __syncthreads();
         const bool direct = flags & kDirectWeight;
         float* block_partials = partials + (long long)blockIdx.x * hidden;
@@ -332,6 +384,25 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
             else block_partials[j] = s;
         }
     }
+}
+
+template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
+__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
+rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
+                         W* dweight, const BackwardParams p) {
+    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, false>(dy, x, d_residual_out, dx, w, partials, dweight, p);
+    allow_next_kernel();
+}
+
+// Few rows (no more than the SMs, cupy_rmsnorm/_plan.py's "row" variant): a block-wide group
+// per row and one row a block, whatever the occupancy. A kernel of its own: in the one
+// above, the one-row path cost the looping blocks 3% at 1024 x 4096 (run X).
+template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
+__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
+rms_norm_backward_row_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
+                             W* dweight, const BackwardParams p) {
+    static_assert(ROW_THREADS > 32 && THREAD_VECS > 0, "a block-wide group with the row in registers");
+    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, true>(dy, x, d_residual_out, dx, w, partials, dweight, p);
     allow_next_kernel();
 }
 

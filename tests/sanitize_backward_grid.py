@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python3 tests/sanitize_backward_grid.py [--quick]
 
 Covers every launch shape of cupy_rmsnorm.backward_plan (warp groups sharing a block, a
-block per row with the row in registers, a streamed block per row, rows staged in shared
+block per row with the row in registers, the same for no more rows than SMs (one row a
+block: the row kernel, a call of one row per dtype, op and layout), a streamed block per row, rows staged in shared
 memory by bulk copies where the device has them) and the dweight
 reduction, every dtype, both backward ops (the fused one with and without a residual_out
 gradient), both casting modes, weights of x's dtype / float32 / none (offsets 0 and 1),
@@ -37,7 +38,7 @@ LAYOUTS = ("contiguous", "offset_out", "strided", "heads", "mixed")
 QUICK_LAYOUTS = ("contiguous", "strided", "mixed")   # contiguous: the staged rows
 SANITIZE_SMS = 1                         # plans as for 1 SM: a few blocks, each looping over 8+ rows
 ROWS_SHORT, ROWS_LONG = 600, 64          # hidden <= 255 (32 groups of a block need 2+ rows each); longer
-SHAPES = {"warp", "block", "stream"}    # and "staged" on sm_90+
+SHAPES = {"warp", "block", "row", "stream"}    # and "staged" on sm_90+
 # float32 arithmetic in another order than NumPy's; dx is a difference (cancellation): a
 # tolerance relative to the magnitudes that meet in it
 NOISE = 3e-5
@@ -45,7 +46,7 @@ SPACING = {"float32": 2.0 ** -22, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}  
 
 
 def launch_shapes(plans):
-    return {("staged" if p.variant == "staged" else "stream" if p.vecs_per_thread == 0
+    return {(p.variant if p.variant in ("staged", "row") else "stream" if p.vecs_per_thread == 0
              else "warp" if p.threads_per_row <= _plan.WARP else "block", p.vec) for p in plans}
 
 
@@ -118,6 +119,9 @@ def main():
                 rows = ROWS_SHORT if hidden <= 255 else ROWS_LONG
                 calls += 1
                 wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
+                if hidden == 1000:       # one row: the row kernel (dweight written directly)
+                    calls += 1
+                    wrong += not run(rng, op, dtype_name, hidden, layout, 1, MODES[(i + 1) % 2], wkind, woff)
     finally:
         device.sm_count = sm_count
     cp.cuda.Device().synchronize()

@@ -29,15 +29,15 @@ KERNEL_SYMBOL = re.compile(rb"_ZN7rmsnorm\d+rms_norm_backward\w+")
 
 
 @functools.cache
-def backward_plans(dtype):
-    """Every distinct backward plan (template arguments) for VECTOR_COUNTS."""
+def backward_plans(dtype, rows=4096):
+    """Every distinct backward plan (template arguments) of ``rows`` rows for VECTOR_COUNTS."""
     plans = {}
     for vec in VECS[dtype]:
         for n in VECTOR_COUNTS:
             for hidden in (n * vec, n * vec + 1):
                 for edges in ((True, False) if hidden % vec == 0 else (True,)):
-                    p = backward_plan(4096, hidden, ITEMSIZE[dtype], vec, SMS, edges=edges)
-                    plans.setdefault(p.template_args(), p)
+                    p = backward_plan(rows, hidden, ITEMSIZE[dtype], vec, SMS, edges=edges)
+                    plans.setdefault((p.variant, p.template_args()), p)
     return plans
 
 
@@ -114,18 +114,24 @@ def test_every_geometry_is_covered():
             assert any(f", {g}, {nv}, " in e for e in names), (dtype, g, nv)
 
 
+def spill_stores(names, entry=r"\w+"):
+    """ptxas -v at the library's own options (sm_90): the regex groups of ``entry`` and the
+    spill store bytes, per compiled entry function (one per name)."""
+    log = []
+    _compile.compile_offline(names, "sm_90", "backward", ("-Xptxas=-v",), log)
+    text = log[0].replace("\0", "")
+    spills = re.findall(rf"Compiling entry function '({entry})'.*?(\d+) bytes spill stores", text, re.S)
+    assert len(spills) == len(names)
+    return spills
+
+
 def test_register_variants_do_not_spill():
     """ptxas -v at the library's own options (sm_90): no spill stores in the register
     variants of the heaviest weights (float32) at full width."""
     for dtype in CUDA_TYPES:
         plans = [p for p in backward_plans(dtype).values()
                  if p.variant == "registers" and p.vec == max(VECS[dtype]) and p.edges]
-        names = [backward_instantiation_name(dtype, "float32", p) for p in plans]
-        log = []
-        _compile.compile_offline(names, "sm_90", "backward", ("-Xptxas=-v",), log)
-        text = log[0].replace("\0", "")
-        spills = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", text, re.S)
-        assert len(spills) == len(names)
+        spills = spill_stores([backward_instantiation_name(dtype, "float32", p) for p in plans])
         assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]
 
 
@@ -159,9 +165,28 @@ def test_staged_variants_compile_without_spills(dtype):
     names = sorted({backward_instantiation_name(dtype, w, p) for p in plans for w in (dtype, "float32")})
     for arch in ARCHS:
         assert _compile.compile_offline(names, arch, "backward")
-    log = []
-    _compile.compile_offline(names, "sm_90", "backward", ("-Xptxas=-v",), log)
-    text = log[0].replace("\0", "")
-    spills = re.findall(r"Compiling entry function '(\w+staged\w+Li(\d+)EEEv\w+)'.*?(\d+) bytes spill stores", text, re.S)
-    assert len(spills) == len(names)
+    spills = spill_stores(names, r"\w+staged\w+Li(\d+)EEEv\w+")
     assert all(b == "0" or (steps != "1" and int(b) <= 32) for _, steps, b in spills), spills
+
+
+# -- few rows (no more than the SMs: a row a block, rms_norm_backward_row_kernel) ---------------
+
+def row_plans(dtype):
+    """Every distinct "row" plan (7 rows) over VECTOR_COUNTS, at every width, with and without edges."""
+    return [p for p in backward_plans(dtype, rows=7).values() if p.variant == "row"]
+
+
+@pytest.mark.parametrize("dtype", list(CUDA_TYPES))
+def test_row_variants_compile_without_spills(dtype):
+    """The row kernel's instantiations (every block-wide geometry, a sample of the narrower
+    widths) compile for every architecture and do not spill at sm_90 (ptxas -v)."""
+    plans = row_plans(dtype)
+    assert {p.threads_per_row for p in plans} >= {128, 512, 1024} and {p.edges for p in plans} == {True, False}
+    widest = max(VECS[dtype])
+    chosen = [p for p in plans if p.vec == widest] + [p for p in plans if p.vec != widest][::4]
+    names = sorted({backward_instantiation_name(dtype, w, p) for p in chosen for w in (dtype, "float32")})
+    assert all("rms_norm_backward_row_kernel" in n for n in names), names
+    for arch in ARCHS:
+        assert _compile.compile_offline(names, arch, "backward")
+    spills = spill_stores(names, r"\w+row_kernel\w+")
+    assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]

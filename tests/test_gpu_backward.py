@@ -334,6 +334,47 @@ def test_staged_rows_give_the_register_kernels_bits(op, dtype_name):
         assert a.dtype == b.dtype and a.shape == b.shape and bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
 
 
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("op", OPS)
+def test_row_kernel_gives_the_register_kernels_bits(op, dtype_name):
+    """With no more rows than SMs a block takes one row in the row kernel, which writes its
+    dy * xhat from registers as its partials (or as dweight, one block); the register
+    kernel sums the same rows in shared memory first. Planned as for half the SMs, the
+    same 64 rows go to the register kernel at the same geometry (a row a block, 64 blocks):
+    dx and dweight are identical bit for bit (and 1 row: dweight written directly)."""
+    d = _driver.device(cp.cuda.Device().id)
+    hidden = 512 * (16 // np.dtype(DTYPES[dtype_name]).itemsize)        # 512 vectors: 512 threads
+    for rows in (64, 1):
+        data = Data(cp.random.RandomState(_seed("row bits", op, dtype_name, rows)), op, dtype_name, (rows, hidden),
+                    "llama", "float32", 0.0)
+        results, plans = [], []
+        saved = d.sm_count
+        try:
+            for sms in (saved, max(rows // 2, 1) if rows > 1 else None):
+                if sms is None:       # one row is the row kernel on any device: dweight direct
+                    break
+                d.sm_count = sms
+                with _launcher.forced_backward_plan(record=plans):
+                    if op == "rms_norm":
+                        results.append(rn.rms_norm_backward(data.dy, data.x, data.w, EPS, casting_mode="llama"))
+                    else:
+                        dres = data.dres if op == "fused_dres" else None
+                        results.append(rn.fused_add_rms_norm_backward(data.dy, dres, data.x, data.w, EPS,
+                                                                      casting_mode="llama"))
+        finally:
+            d.sm_count = saved
+        assert compare("dx", results[0][0], data.ref[0], data.ref[2]) is None
+        assert compare("dweight", results[0][1], data.ref[1], data.ref[3]) is None
+        if rows == 1:
+            assert [p.variant for p in plans] == ["row"] and plans[0].grid == 1, plans
+            continue
+        assert [p.variant for p in plans] == ["row", "registers"], plans
+        assert all(p.grid == rows and p.rows_per_block == 1 for p in plans), plans
+        for name, a, b in (("dx", results[0][0], results[1][0]), ("dweight", results[0][1], results[1][1])):
+            msg = G.same_bits(a, b)
+            assert msg is None, f"{name}: row kernel against register kernel: {msg}"
+
+
 def test_no_rows():
     x = cp.zeros((0, 4096), cp.float16)
     w = cp.ones(4096, cp.float32)

@@ -574,11 +574,14 @@ def test_overlap_agrees_with_numpy_shares_memory():
 #   of two of n / G, 256 / G groups in a 256-thread block;
 # - n <= 1024: a block of G = next power of two of n (at least 128 here) threads, one vector each;
 # - past that: streamed, 512 threads;
+# - a block-wide group with vectors kept ("registers") and no more rows than SMs: "row";
 # - blocks per SM: 1024 // block (at least 1, at most max_blocks_per_sm); rows_per_block:
 #   ceil(rows / (sm_count x blocks per SM)) rounded up to a multiple of the groups;
 #   grid: ceil(rows / rows_per_block), at least 1.
 BACKWARD_TABLE = [
-    ((1, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 1, 1)),
+    ((1, 4096, 2, 8, H200_SMS, None), ("row", 512, 1, 1, 512, 1, 1)),
+    ((132, 4096, 2, 8, H200_SMS, 1), ("row", 512, 1, 1, 512, 1, 132)),                # one row an SM
+    ((133, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 1, 133)),
     ((1024, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 4, 256)),
     ((4096, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 16, 256)),
     ((16384, 4096, 2, 8, H200_SMS, None), ("registers", 512, 1, 1, 512, 63, 261)),
@@ -623,6 +626,8 @@ def test_backward_plan_forced_and_refused():
         rn.backward_plan(4, 64, 2, 8, H200_SMS, vecs_per_thread=0)     # a warp group cannot stream
     with pytest.raises(ValueError, match="multiple of vec"):
         rn.backward_plan(4, 4095, 2, 8, H200_SMS, edges=False)
+    p = rn.backward_plan(3, 4096, 2, 8, H200_SMS, vecs_per_thread=0)        # few rows, streamed
+    assert (p.variant, p.grid) == ("stream", 3)
     for args in [(-1, 8, 2, 8, 1), (1, 0, 2, 8, 1), (1, 8, 2, 0, 1), (1, 8, 2, 8, 0), (1, 8, 0, 8, 1)]:
         with pytest.raises(ValueError):
             rn.backward_plan(*args)
@@ -648,13 +653,16 @@ def test_backward_plan_properties():
                 assert g & (g - 1) == 0 and 8 <= g <= 1024 and p.block <= 1024, ctx
                 assert p.block == g * p.groups_per_block, ctx
                 assert p.groups_per_block == (256 // g if g <= 32 else 1), ctx
-                if p.variant == "registers":
+                if p.variant in ("registers", "row"):
                     assert 1 <= p.vecs_per_thread <= 2 and g * p.vecs_per_thread >= n, ctx
                     span = (g * p.vecs_per_thread + 2) * (vec + (vec > 1))    # the kernel's SPAN (padded)
                     assert span >= hidden and p.groups_per_block * span * 4 <= STATIC_SHARED_BYTES, ctx
                 else:
                     assert p.vecs_per_thread == 0 and p.groups_per_block == 1, ctx
                 assert (p.variant == "stream") == (n > 1024), ctx
+                # the row kernel: one row a block, whatever the occupancy (no more rows than SMs)
+                row = p.vecs_per_thread > 0 and g > 32 and 1 <= rows <= sms
+                assert (p.variant == "row") == row and (not row or p.rows_per_block == 1), ctx
                 # every row in exactly one block, every block with rows, few partial rows
                 assert p.rows_per_block % p.groups_per_block == 0, ctx
                 assert p.grid * p.rows_per_block >= rows and (p.grid - 1) * p.rows_per_block < max(rows, 1), ctx
