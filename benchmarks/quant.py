@@ -35,6 +35,8 @@ IMPLS = ("ours", "flashinfer", "torch.compile", "copy")
 PEERS = ("flashinfer", "torch.compile")
 EPS = 1e-6
 from cupy_rmsnorm._reference import min_scale, quant_max  # noqa: E402 - the contract's constants
+from cupy_rmsnorm.bench.report import print_summary  # noqa: E402
+from cupy_rmsnorm.bench.shapes import shape_list  # noqa: E402
 
 FP8_MAX = quant_max("float8_e4m3fn")
 MIN_SCALE = float(min_scale("float8_e4m3fn"))
@@ -53,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--warm-only", action="store_true",
                    help="compile everything a run would (torch.compile's and CuPy's on-disk caches), time nothing")
     args = p.parse_args(argv)
-    args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    args.shapes = shape_list(args.shapes)
     args.cases = args.cases.split(",")
     bad = set(args.cases) - set(CASES)
     if bad:
@@ -260,11 +262,8 @@ def main(argv=None):
         write(args, payload)
     payload["elapsed_s"] = time.perf_counter() - start
     write(args, payload)
-    print("\nGPU microseconds per call (CUDA graph replay, median); bytes: ours (FlashInfer's fused per-group "
-          "form also writes a bf16 copy: +2 bytes an element):")
-    print(table(payload["results"]))
-    for k, v in payload["skipped"].items():
-        print(f"skipped {k}: {v}")
+    print_summary("GPU microseconds per call (CUDA graph replay, median); bytes: ours (FlashInfer's fused per-group "
+                  "form also writes a bf16 copy: +2 bytes an element):", table(payload["results"]), payload["skipped"])
     return 0
 
 

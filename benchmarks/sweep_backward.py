@@ -23,6 +23,7 @@ import cupy_rmsnorm as rn
 from cupy_rmsnorm import _driver, _launcher
 from cupy_rmsnorm._plan import backward_geometry, staged_geometry
 from cupy_rmsnorm.bench import timing
+from cupy_rmsnorm.bench.shapes import shape_list
 
 SHAPES = [(1, 4096), (32, 4096), (256, 4096), (1024, 4096), (4096, 4096), (16384, 4096),
           (256, 8192), (4096, 8192), (16384, 8192), (4096, 1024), (4096, 2048), (4096, 16384),
@@ -54,7 +55,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,1x8192")
     args = ap.parse_args()
-    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = SHAPES if not args.shapes else shape_list(args.shapes)
     dev = _driver.device(0)
     print(f"device: {dev}", flush=True)
     bf16 = np.dtype(ml_dtypes.bfloat16)

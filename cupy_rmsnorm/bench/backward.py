@@ -27,6 +27,9 @@ import os
 import sys
 import time
 
+from .report import print_summary
+from .shapes import shape_list
+
 SHAPES = ((1, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (4096, 8192), (16384, 8192), (4096, 512), (4096, 2048),
           (4096, 4095))
 IMPLS = ("ours", "F.rms_norm", "torch.compile", "liger", "copy")
@@ -53,7 +56,7 @@ def parse_args(argv=None):
     args.modes = args.modes.split(",")
     if not set(args.modes) <= {"graph", "cold"}:
         p.error(f"--modes: graph and/or cold, not {args.modes}")
-    args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    args.shapes = shape_list(args.shapes)
     return args
 
 
@@ -250,10 +253,8 @@ def main(argv=None):
     payload["elapsed_s"] = time.perf_counter() - start
     write(args, payload)
     write_report(args.out, payload)
-    print("\nGPU microseconds per call (graph: CUDA graph replay; cold: one call after an L2 flush; medians):")
-    print(table(payload["results"]))
-    for k, v in payload["skipped"].items():
-        print(f"skipped {k}: {v}")
+    print_summary("GPU microseconds per call (graph: CUDA graph replay; cold: one call after an L2 flush; medians):",
+                  table(payload["results"]), payload["skipped"])
     return 0
 
 

@@ -337,6 +337,14 @@ def write_results(out_dir, stem, payload, columns, cells):
             f.write(",".join(cells(r)) + "\n")
 
 
+def print_summary(title, table_text, skipped):
+    """A benchmark's closing lines: its title, its whole table, and why peers were skipped."""
+    print(f"\n{title}")
+    print(table_text)
+    for k, v in skipped.items():
+        print(f"skipped {k}: {v}")
+
+
 def us_cells(us, impls):
     """Microseconds per implementation, three decimals; empty where one was not measured."""
     return ["" if us.get(i) is None else f"{us[i]:.3f}" for i in impls]

@@ -48,6 +48,11 @@ def _positive_ints(text, what, spec):
     return values
 
 
+def shape_list(text):
+    """``"ROWSxHIDDEN,ROWSxHIDDEN,..."`` -> [(rows, hidden), ...] (the benchmarks' --shapes)."""
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
 def parse_shape_spec(spec):
     """``"TOKENSxHIDDEN"`` -> [(tokens, hidden)]; either side may be a comma list,
     giving every combination: ``"1,32x4096,8192"`` is four shapes."""
