@@ -480,8 +480,7 @@ __device__ __forceinline__ Pack<unsigned char, VEC> quantize_vec(const float (&y
             const __nv_fp8x2_storage_t t = __nv_cvt_float2_to_fp8x2(
                 make_float2(y[e] * inv_scale, y[e + 1] * inv_scale), __NV_SATFINITE,
                 QTYPE == kE4M3 ? __NV_E4M3 : __NV_E5M2);
-            o.v[e] = static_cast<unsigned char>(t & 0xff);      // .x is the low byte
-            o.v[e + 1] = static_cast<unsigned char>(t >> 8);
+            reinterpret_cast<__nv_fp8x2_storage_t*>(o.v)[e / 2] = t;   // .x is the low byte, as o.v[e]
         }
     } else {
 #pragma unroll
@@ -644,13 +643,12 @@ __device__ __forceinline__ void with_tail(const Row& row, F&& f) {
 }
 
 // The quantized output stage of one row (or a cluster block's share of it): scales, then q.
-// r: the row's linear index (for its scales); rank: the block's in its cluster.
+// qr, row_scales: the row's q and its scales (dynamic forms); rank: the block's in its cluster.
 template <int VEC, int ROW_THREADS, int THREAD_VECS, int CLUSTER, int FORM, int QTYPE, class Row>
-__device__ __forceinline__ void store_quantized(const Row& row, unsigned char* qr, float static_scale,
-                                                const QuantArgs& quant, long long r, int rank) {
+__device__ __forceinline__ void store_quantized(const Row& row, unsigned char* qr, float* row_scales,
+                                                float static_scale, const QuantArgs& quant, int rank) {
     using QVec = Pack<unsigned char, VEC>;
     QVec* qv = reinterpret_cast<QVec*>(qr + row.head);
-    float* const row_scales = quant.scales + r * quant.p.scales_row;
     if constexpr (FORM == kPerGroup) {
         // Rows start on the vector grid (the launcher makes sure: no head, no tail) and a group
         // is GROUP consecutive vectors: LANES consecutive threads of one block at one k, over
@@ -814,6 +812,10 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     const int tail_at = n_body * VEC;            // the tail's start, from the body's
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
+    // q (out's row strides) and the row's scales: their addresses here, not at the end of the
+    // row, where the compiler recomputed the row's index from the thread's for them (run AC)
+    unsigned char* const qr = FORM != kPlain ? quant.q + outer * p.out.outer + inner * p.out.inner : nullptr;
+    float* const row_scales = FORM == kPerToken || FORM == kPerGroup ? quant.scales + r * quant.p.scales_row : nullptr;
     wait_for_previous_kernel();                  // no global memory access before this
     if (flags & kEarlyTrigger) allow_next_kernel();
     const float static_scale = FORM == kStatic ? *quant.scale : 0.f;   // issued early, used at the end
@@ -947,8 +949,8 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
         const RowState<T, W, VEC, THREAD_VECS, PREFETCH_W> row{
             keep, wk, FUSED ? ror : xr, w, head, n_body, first, STEP, tail_at, tail, tid, has_head, has_tail, w_vec,
             prefetch_w, head_x, head_w, w_offset, flags, inv_rms};
-        store_quantized<VEC, ROW_THREADS, THREAD_VECS, CLUSTER, FORM, QTYPE>(
-            row, quant.q + outer * p.out.outer + inner * p.out.inner, static_scale, quant, r, rank);
+        store_quantized<VEC, ROW_THREADS, THREAD_VECS, CLUSTER, FORM, QTYPE>(row, qr, row_scales, static_scale,
+                                                                             quant, rank);
         return;
     }
 
