@@ -206,9 +206,18 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     // one-row kernel has no next row: without the code for it, 1 x 4096 took 0-8% less (run AC)
     constexpr bool PREFETCH = THREAD_VECS == 1 && ROW_THREADS > 32 && !EDGES;
     constexpr bool NEXT_ROW = PREFETCH && !ONE_ROW;
+    // The looping block plans on the 16-byte grid keep their dweight sums in registers: with
+    // no head, a thread has the same columns in every row. The sums in shared memory cost a
+    // load, an add and a store per element and row, and the kernel is bound by instruction
+    // issue at 1024 x 4096 (ncu, run AF: 9.4 M warp instructions with dweight, 6.1 M without);
+    // in registers 1024 x 4096 took 0.87-0.91 of the time (run AG).
+    constexpr bool SUMS_IN_REGISTERS = NEXT_ROW;
     static_assert(ROW_THREADS >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
     static_assert(THREAD_VECS > 0 || GROUPS == 1, "streamed rows get a block each");
-    __shared__ float dw_sums[GROUPS * SPAN];
+    __shared__ float dw_sums[SUMS_IN_REGISTERS ? 1 : GROUPS * SPAN];
+    float dw_acc[SUMS_IN_REGISTERS ? VEC : 1];   // SUMS_IN_REGISTERS: this thread's columns' sums
+#pragma unroll
+    for (int e = 0; e < (SUMS_IN_REGISTERS ? VEC : 1); ++e) dw_acc[e] = 0.f;
 
     const int hidden = p.hidden, flags = p.flags;
     const float w_offset = p.weight_offset;
@@ -223,7 +232,7 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     // barrier: the block's in row_sums, or a __syncwarp for warp groups.
     float* sums = THREAD_VECS > 0 ? dw_sums + group * SPAN : partials + (long long)blockIdx.x * hidden;
     const DweightRow<W> out_row{partials + (long long)blockIdx.x * hidden, dweight, (flags & kDirectWeight) != 0};
-    if (THREAD_VECS > 0 && weight_grad && !ONE_ROW) {
+    if (THREAD_VECS > 0 && weight_grad && !ONE_ROW && !SUMS_IN_REGISTERS) {
         for (int j = threadIdx.x; j < GROUPS * SPAN; j += blockDim.x) dw_sums[j] = 0.f;
         __syncthreads();
     }
@@ -337,7 +346,10 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
                     for (int e = 0; e < VEC; ++e) {
                         const float dyf = to_float(kdy[i].v[e]), xf = to_float(kx[i].v[e]);
                         o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
-                        if (weight_grad && !ONE_ROW) sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                        if (weight_grad && SUMS_IN_REGISTERS)
+                            dw_acc[SUMS_IN_REGISTERS ? e : 0] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                        else if (weight_grad && !ONE_ROW)
+                            sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
                     }
                     dxv[v] = o;
                     if (weight_grad && ONE_ROW) {
@@ -374,7 +386,14 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
         if (GROUPS > 1) __syncwarp();            // this row's sums before the next row's
     }
 
-    if (THREAD_VECS > 0 && weight_grad && !ONE_ROW) {   // the groups' sums, added in group order
+    if (SUMS_IN_REGISTERS && weight_grad) {     // (0 + v: the bits the shared-memory sums give)
+        if (tid < hidden / VEC) {
+            float v[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) v[e] = 0.f + dw_acc[SUMS_IN_REGISTERS ? e : 0];
+            out_row.put_vector<VEC>(tid * VEC, v);
+        }
+    } else if (THREAD_VECS > 0 && weight_grad && !ONE_ROW) {   // the groups' sums, added in group order
         __syncthreads();
         const bool direct = flags & kDirectWeight;
         float* block_partials = partials + (long long)blockIdx.x * hidden;
