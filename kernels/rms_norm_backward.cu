@@ -225,11 +225,12 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     const int tid = threadIdx.x % ROW_THREADS, group = threadIdx.x / ROW_THREADS;
     const long long begin = (long long)blockIdx.x * p.rows_per_block;
     const long long end = min(begin + p.rows_per_block, p.rows);
-    // Where this block's dweight sums build up: shared memory (one row per group), or for
-    // streamed rows its own row of partials in global memory. Either way each column gets
-    // one addition per row, rows in order; the thread that makes it may change from row to
-    // row (the head's length follows each row's alignment), so rows are separated by a
-    // barrier: the block's in row_sums, or a __syncwarp for warp groups.
+    // Where this block's dweight sums build up: its threads' registers (SUMS_IN_REGISTERS),
+    // shared memory (one row per group), or for streamed rows its own row of partials in
+    // global memory. Each way each column gets one addition per row, rows in order; outside
+    // registers the thread that makes it may change from row to row (the head's length
+    // follows each row's alignment), so rows are separated by a barrier: the block's in
+    // row_sums, or a __syncwarp for warp groups.
     float* sums = THREAD_VECS > 0 ? dw_sums + group * SPAN : partials + (long long)blockIdx.x * hidden;
     const DweightRow<W> out_row{partials + (long long)blockIdx.x * hidden, dweight, (flags & kDirectWeight) != 0};
     if (THREAD_VECS > 0 && weight_grad && !ONE_ROW && !SUMS_IN_REGISTERS) {
