@@ -45,6 +45,13 @@ KERNEL_POINTERS = (X, RESIDUAL, OUT, RESIDUAL_OUT, WEIGHT)   # the kernel's poin
 _SLOT = {k: i for i, k in enumerate(KERNEL_POINTERS)}
 _pack_pointers = struct.Struct("<5Q").pack_into
 
+
+def kernel_weight_offset(scalars):
+    """The offset the kernels add to the weights: -0 for an offset of 0, since w + -0 is w for
+    every w (-0 included), so the weight is used as it is (_reference.offset_weight)."""
+    return scalars.weight_offset or -0.0
+
+
 # -- the cache ---------------------------------------------------------------------------
 _MAX_LAUNCHERS = 1024
 _cache = {}              # call signature -> Launcher
@@ -126,7 +133,7 @@ class Launcher:
         params["rows"], params["n_inner"], params["hidden"] = layout.rows, layout.n_inner, layout.hidden
         for k in (X,) + self.others:
             params[_ROW_STRIDE_FIELDS[k]] = row_strides[k]
-        params["eps"], params["weight_offset"] = scalars.eps, scalars.weight_offset
+        params["eps"], params["weight_offset"] = scalars.eps, kernel_weight_offset(scalars)
         params["flags"] = (LLAMA if scalars.llama else 0) | (HAS_WEIGHT if layout.weight_dtype else 0)
         self.params = params               # each plan gets a copy with its own trigger flag
         self._slots = bytearray(8 * 5)     # the five pointer arguments, written per call
@@ -506,7 +513,7 @@ class BackwardLauncher:
             if st is not None:
                 params[name] = st
         params["dx"] = layout.dx_strides
-        params["eps"], params["weight_offset"] = scalars.eps, scalars.weight_offset
+        params["eps"], params["weight_offset"] = scalars.eps, kernel_weight_offset(scalars)
         params["flags"] = (LLAMA if scalars.llama else 0) | (ADD_GRAD if strides.d_residual_out is not None else 0)
         self.params = params
         # a fresh contiguous dx (x's row strides decide whether torch's empty_like gives one)

@@ -11,7 +11,8 @@ Every step mirrors ``kernels/rms_norm.cu``:
 - ``casting_mode="fp32"``: ``y = round(x * inv_rms * (weight + weight_offset))``,
   one rounding at the end (torch.nn.functional.rms_norm, Gemma);
   ``casting_mode="llama"``: ``y = round(round(x * inv_rms) * (weight + weight_offset))``
-  (HF LlamaRMSNorm, vLLM).
+  (HF LlamaRMSNorm, vLLM). ``weight + weight_offset`` is the weight itself when the offset
+  is 0 (no add: a -0 weight stays -0, as in HF's ``weight * x``; ``offset_weight``).
 - the quantized forms (``rms_norm_quant`` / ``fused_add_rms_norm_quant``) quantize y as it
   stands in float32 before that final rounding (see "quantized outputs" below).
 
@@ -91,8 +92,13 @@ def _normalized(x, weight, eps, weight_offset, casting_mode):
         normed = normed.astype(dtype).astype(np.float32)
     if weight is None:
         return normed
-    w = np.asarray(weight, dtype=np.float32) + np.float32(weight_offset)
-    return normed * w
+    return normed * offset_weight(weight, weight_offset)
+
+
+def offset_weight(weight, weight_offset):
+    """w' = weight + weight_offset in float32, the weight as is for an offset of 0."""
+    w = np.asarray(weight, dtype=np.float32)
+    return w + np.float32(weight_offset) if weight_offset != 0 else w
 
 
 def fused_add_rms_norm_reference(x, residual, weight=None, eps=1e-6, weight_offset=0.0,
@@ -196,7 +202,7 @@ def _backward_float32(dy, x, weight, eps, weight_offset, casting_mode, weight_gr
     sumsq = np.sum(xf * xf, axis=-1, keepdims=True, dtype=np.float32)
     inv_rms = np.float32(1.0) / np.sqrt(sumsq / np.float32(hidden) + np.float32(eps))
     xhat = xf * inv_rms
-    g = dyf if weight is None else dyf * (np.asarray(weight, dtype=np.float32) + np.float32(weight_offset))
+    g = dyf if weight is None else dyf * offset_weight(weight, weight_offset)
     mean_gx = np.sum(g * xhat, axis=-1, keepdims=True, dtype=np.float32) / np.float32(hidden)
     dx = inv_rms * (g - xhat * mean_gx)
     if weight is None or not weight_grad:

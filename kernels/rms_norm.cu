@@ -60,6 +60,31 @@ struct alignas(sizeof(T) * N) Pack {
     T v[N];
 };
 
+// A vector's elements as floats.
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack(const Pack<T, VEC>& a, float (&f)[VEC]) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) f[e] = to_float(a.v[e]);
+}
+
+// bf16 is a float's upper half: of a pair in one 32-bit word, the low element is the word
+// shifted up and the high one the word masked (an instruction each; converted one by one, the
+// high element was first moved down, then shifted back up: two).
+template <int VEC>
+__device__ __forceinline__ void unpack(const Pack<__nv_bfloat16, VEC>& a, float (&f)[VEC]) {
+    if constexpr (VEC % 2 == 0) {
+        const unsigned* u = reinterpret_cast<const unsigned*>(&a);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 2) {
+            f[e] = __uint_as_float(u[e / 2] << 16);
+            f[e + 1] = __uint_as_float(u[e / 2] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f[e] = to_float(a.v[e]);
+    }
+}
+
 enum Flags { kLlama = 1, kHasWeight = 2, kEarlyTrigger = 4 };   // Params.flags
 
 // Everything but the pointers, passed by value as one argument (fewer kernel
@@ -115,11 +140,24 @@ __device__ __forceinline__ float pairwise_sum(float (&q)[N]) {
 // would round differently from a plan that adds this square in another thread).
 __device__ __forceinline__ float square(float f) { return __fmul_rn(f, f); }
 
+// x + residual, rounded to T (the fused op's s)
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> rounded_sum(const Pack<T, VEC>& a, const Pack<T, VEC>& b) {
+    float fa[VEC], fb[VEC];
+    unpack(a, fa);
+    unpack(b, fb);
+    Pack<T, VEC> s;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) s.v[e] = from_float<T>(fa[e] + fb[e]);
+    return s;
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ float vector_squares(const Pack<T, VEC>& a) {
     float q[VEC];
+    unpack(a, q);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) q[e] = square(to_float(a.v[e]));
+    for (int e = 0; e < VEC; ++e) q[e] = square(q[e]);
     return pairwise_sum(q);
 }
 
@@ -352,6 +390,8 @@ __device__ __forceinline__ T normalize(float v, float inv_rms, float wv, int fla
 // A plain load, not __ldg: __ldg is an asm statement the compiler may treat as free of side
 // effects and hoist out of the bounds check that guards it (it did, in the backward kernel:
 // w[tid] read for tid == hidden).
+// w' = w + weight_offset. An offset of 0 comes as -0 (cupy_rmsnorm/_launcher.py), and
+// w + -0 is w for every w, -0 included: the weight as it is (_reference.offset_weight).
 template <typename W>
 __device__ __forceinline__ float weight_at(const W* w, int j, float w_offset, int flags) {
     return (flags & kHasWeight) ? to_float(w[j]) + w_offset : 1.0f;
@@ -362,15 +402,18 @@ template <typename T, typename W, int VEC>
 __device__ __forceinline__ Pack<T, VEC> scale_vec(const Pack<T, VEC>& a, const float (&wv)[VEC],
                                                   float inv_rms, int flags) {
     Pack<T, VEC> o;
+    float f[VEC];
+    unpack(a, f);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) o.v[e] = normalize<T, W>(to_float(a.v[e]), inv_rms, wv[e], flags);
+    for (int e = 0; e < VEC; ++e) o.v[e] = normalize<T, W>(f[e], inv_rms, wv[e], flags);
     return o;
 }
 
 template <typename W, int VEC>
 __device__ __forceinline__ void weights_of(const Pack<W, VEC>& wp, float w_offset, float (&wv)[VEC]) {
+    unpack(wp, wv);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) wv[e] = to_float(wp.v[e]) + w_offset;
+    for (int e = 0; e < VEC; ++e) wv[e] += w_offset;
 }
 
 // The weights (offset added) of body vector v: one aligned vector load when it can.
@@ -591,8 +634,9 @@ struct RowState {
         float wv[VEC];
         if (prefetch_w) weights_of<W, VEC>(wk[PREFETCH_W ? k : 0], w_offset, wv);
         else load_weights<W, VEC>(w + head, v, w_vec, w_offset, flags, wv);
+        unpack(a, y);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) y[e] = normalized<T>(to_float(a.v[e]), inv_rms, wv[e], flags);
+        for (int e = 0; e < VEC; ++e) y[e] = normalized<T>(y[e], inv_rms, wv[e], flags);
     }
     // y of the tail's partial vector (this thread's k-th; elements past the row: 0)
     __device__ __forceinline__ void tail_y(int k, float (&y)[VEC]) const {
@@ -644,7 +688,7 @@ __device__ __forceinline__ void with_tail(const Row& row, F&& f) {
 
 // The quantized output stage of one row (or a cluster block's share of it): scales, then q.
 // qr, row_scales: the row's q and its scales (dynamic forms); rank: the block's in its cluster.
-template <int VEC, int ROW_THREADS, int THREAD_VECS, int CLUSTER, int FORM, int QTYPE, class Row>
+template <int VEC, int ROW_THREADS, int THREAD_VECS, int CLUSTER, bool EDGES, int FORM, int QTYPE, class Row>
 __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* qr, float* row_scales,
                                                 float static_scale, const QuantArgs& quant, int rank) {
     using QVec = Pack<unsigned char, VEC>;
@@ -702,6 +746,10 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
             }
         }
     } else {
+        // kPerToken, rows in registers on the vector grid: the body's y, kept from the first pass
+        // for the second rather than computed again (rows with edges need those registers)
+        constexpr bool KEEP_Y = FORM == kPerToken && THREAD_VECS > 0 && !EDGES;
+        float kept_y[KEEP_Y ? THREAD_VECS : 1][VEC];
         float inv_scale;
         if (FORM == kStatic) {
             inv_scale = 1.0f / static_scale;
@@ -715,7 +763,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
                 for (int e = 0; e < VEC; ++e) m = fmaxf(m, fabsf(y[e]));
             });
             each_body_vector<VEC, ROW_THREADS, THREAD_VECS>(row, [&](int k, int v) {
-                float y[VEC];
+                float (&y)[VEC] = kept_y[KEEP_Y ? k : 0];
                 row.body_y(k, v, y);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) m = fmaxf(m, fabsf(y[e]));
@@ -734,9 +782,13 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
                 if (e < row.tail) qt[e] = quantize<QTYPE>(y[e] * inv_scale);
         });
         each_body_vector<VEC, ROW_THREADS, THREAD_VECS>(row, [&](int k, int v) {
-            float y[VEC];
-            row.body_y(k, v, y);
-            qv[v] = quantize_vec<QTYPE, VEC>(y, inv_scale);
+            if (KEEP_Y) {
+                qv[v] = quantize_vec<QTYPE, VEC>(kept_y[KEEP_Y ? k : 0], inv_scale);
+            } else {
+                float y[VEC];
+                row.body_y(k, v, y);
+                qv[v] = quantize_vec<QTYPE, VEC>(y, inv_scale);
+            }
         });
     }
 }
@@ -762,8 +814,12 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
 
     const int hidden = p.hidden, flags = p.flags;
     const float w_offset = p.weight_offset;
+    // The block's rows as the plan launches them (rows_per_block): one a block past 32 threads,
+    // else groups sharing blocks of 256 threads. Compile-time, so that with one row a block its
+    // index and addresses are the block's (uniform registers), not each thread's.
+    constexpr int ROWS_PER_BLOCK = ROW_THREADS > 32 ? 1 : 256 / ROW_THREADS;
     const int tid = threadIdx.x % ROW_THREADS;   // lane within the row group
-    const long long row = block_id * (blockDim.x / ROW_THREADS) + threadIdx.x / ROW_THREADS;
+    const long long row = block_id * ROWS_PER_BLOCK + (ROWS_PER_BLOCK > 1 ? threadIdx.x / ROW_THREADS : 0);
     const bool active = row < p.rows;            // false only in the last block of small groups
     const long long r = active ? row : 0;
     long long outer = r, inner = 0;
@@ -851,9 +907,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                 const int v = first + i * STEP;
                 if (v < n_body || (EDGES && v == n_body)) {
                     if (FUSED) {
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e)
-                            keep[i].v[e] = from_float<T>(to_float(keep[i].v[e]) + to_float(other[FUSED ? i : 0].v[e]));
+                        keep[i] = rounded_sum(keep[i], other[FUSED ? i : 0]);
                         if (v < n_body) rov[v] = keep[i];
                         else store_partial<T, VEC>(rob + tail_at, keep[i], tail);
                     }
@@ -917,9 +971,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                     part[k] = e0 + b0 + k == 0 ? head_ss : 0.f;
                     if (whole || (active && v < unsigned(n_body)) || is_tail) {
                         if (FUSED) {
-#pragma unroll
-                            for (int e = 0; e < VEC; ++e)
-                                a[k].v[e] = from_float<T>(to_float(a[k].v[e]) + to_float(b[FUSED ? k : 0].v[e]));
+                            a[k] = rounded_sum(a[k], b[FUSED ? k : 0]);
                             if (is_tail) store_partial<T, VEC>(rob + tail_at, a[k], tail);
                             else rov[v] = a[k];
                         }
@@ -949,8 +1001,8 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
         const RowState<T, W, VEC, THREAD_VECS, PREFETCH_W> row{
             keep, wk, FUSED ? ror : xr, w, head, n_body, first, STEP, tail_at, tail, tid, has_head, has_tail, w_vec,
             prefetch_w, head_x, head_w, w_offset, flags, inv_rms};
-        store_quantized<VEC, ROW_THREADS, THREAD_VECS, CLUSTER, FORM, QTYPE>(row, qr, row_scales, static_scale,
-                                                                             quant, rank);
+        store_quantized<VEC, ROW_THREADS, THREAD_VECS, CLUSTER, EDGES, FORM, QTYPE>(row, qr, row_scales,
+                                                                                    static_scale, quant, rank);
         return;
     }
 

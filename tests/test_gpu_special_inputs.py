@@ -217,3 +217,25 @@ def test_more_than_2_31_elements_bfloat16():
     finally:   # drop the 4.3 GB arrays even when an assert fails (the traceback keeps the frame)
         x = out = y = s = res = None
         cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
+@pytest.mark.parametrize("hidden", [4096, 4095])
+def test_zero_offset_keeps_negative_zero_weights(dtype_name, hidden):
+    """weight_offset=0 multiplies by the weight as is (_reference.offset_weight): where the
+    weight is -0, y (and the FP8 byte) is a zero of the sign opposite to x's, as HF's
+    weight * x gives; vector weights (4096) and element-wise ones (4095) alike."""
+    dtype = DTYPES[dtype_name]
+    rs = cp.random.RandomState(seed("negzero", dtype_name, hidden))
+    x = G.from_float32(G.normal(rs, (8, hidden), 1.0), dtype)
+    wf = cp.ones(hidden, cp.float32)
+    wf[::3] = -0.0
+    w = G.from_float32(wf, dtype)
+    neg = cp.signbit(x.astype(cp.float32)[:, ::3])
+    for y in (rn.rms_norm(x, w, EPS), rn.fused_add_rms_norm(x, cp.zeros_like(x), w, EPS)[0]):
+        zeros = y.astype(cp.float32)[:, ::3]
+        assert bool((zeros == 0).all())
+        assert bool((cp.signbit(zeros) == ~neg).all())
+    q, _ = rn.rms_norm_quant(x, w, EPS, scale=cp.ones(1, cp.float32))
+    qb = q.view(cp.uint8)[:, ::3]
+    assert bool((qb == cp.where(neg, 0, 0x80).astype(cp.uint8)).all())

@@ -80,6 +80,28 @@ def test_backward_groups_match_the_plan():
     assert _plan.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32
 
 
+def test_forward_rows_per_block_match_the_plan():
+    """norm_row's compile-time rows a block is launch_plan's rows_per_block: one past 32
+    threads a row, else groups sharing WARP_VARIANT_BLOCK threads."""
+    src = kernel_source()
+    assert "constexpr int ROWS_PER_BLOCK = ROW_THREADS > 32 ? 1 : 256 / ROW_THREADS;" in src
+    from cupy_rmsnorm import _plan
+    assert _plan.WARP_VARIANT_BLOCK == 256 and _plan.WARP == 32
+    for n in (8, 64, 512, 4096):
+        p = _plan.launch_plan(1000, n * 8, 2, 8, 132)
+        assert p.rows_per_block == (1 if p.threads_per_row > 32 else 256 // p.threads_per_row)
+
+
+def test_zero_weight_offset_reaches_the_kernels_as_negative_zero():
+    """w + -0 is w for every w: an offset of 0 leaves the weights as they are (_reference)."""
+    import math
+    from types import SimpleNamespace
+    for off in (0.0, -0.0):
+        v = _launcher.kernel_weight_offset(SimpleNamespace(weight_offset=off))
+        assert v == 0 and math.copysign(1.0, v) == -1.0
+    assert _launcher.kernel_weight_offset(SimpleNamespace(weight_offset=1.0)) == 1.0
+
+
 def test_quant_params_match_the_kernel():
     src = kernel_source()
     size = int(re.search(r"static_assert\(sizeof\(QuantParams\) == (\d+)", src).group(1))

@@ -226,3 +226,16 @@ def test_non_finite_stays_in_its_row(dtype_name, bad, fused):
     assert not np.isfinite(y32[2, 17])    # the bad element itself is not made finite
     if np.isnan(bad):
         assert np.all(np.isnan(y32[2]))   # its row's mean square is NaN
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_zero_offset_leaves_the_weight_as_is(dtype_name):
+    """weight_offset=0 multiplies by the weight itself: a -0 weight gives zeros of the sign
+    x * -0 has (HF's weight * x), where adding +0 first would give +0 for positive x."""
+    dtype = DTYPES[dtype_name]
+    x = np.array([[1.0, -2.0, 3.0, 4.0]], dtype)
+    w = np.array([-0.0, -0.0, 1.0, 1.0], dtype)
+    y = rms_norm_reference(x, w, EPS, 0.0, "fp32")
+    assert np.signbit(y[0, :2]).tolist() == [True, False]
+    y1 = rms_norm_reference(x, w - np.array(1, dtype), EPS, 1.0, "fp32")   # w' = -1 + 1 = +0
+    assert np.signbit(y1[0, :2]).tolist() == [False, True]
