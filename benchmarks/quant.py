@@ -35,7 +35,7 @@ IMPLS = ("ours", "flashinfer", "torch.compile", "copy")
 PEERS = ("flashinfer", "torch.compile")
 EPS = 1e-6
 from cupy_rmsnorm._reference import min_scale, quant_max  # noqa: E402 - the contract's constants
-from cupy_rmsnorm.bench.report import print_summary  # noqa: E402
+from cupy_rmsnorm.bench.report import add_result, print_summary, record_failure  # noqa: E402
 from cupy_rmsnorm.bench.shapes import shape_list  # noqa: E402
 
 FP8_MAX = quant_max("float8_e4m3fn")
@@ -253,11 +253,9 @@ def main(argv=None):
                     us[impl] = None if fn is None else measure(runner, fn, nbytes, bandwidth, args)
                 except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
                     us[impl] = None
-                    payload["skipped"][f"{impl} {case} {rows}x{hidden}"] = f"{type(e).__name__}: {e}"
-                    print(f"  {impl} {case} {rows}x{hidden}: {type(e).__name__}: {e}", flush=True)
+                    record_failure(payload, f"{impl} {case} {rows}x{hidden}", e)
             row = {"case": case, "rows": rows, "hidden": hidden, "bytes": nbytes, "us": us, "agree": agree}
-            payload["results"].append(row)
-            print(table([row]).splitlines()[1], flush=True)
+            add_result(payload, row, table)
         torch.cuda.empty_cache()
         write(args, payload)
     payload["elapsed_s"] = time.perf_counter() - start

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from .report import print_summary
+from .report import add_result, print_summary, record_failure
 from .shapes import shape_list
 
 SHAPES = ((1, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (4096, 8192), (16384, 8192), (4096, 512), (4096, 2048),
@@ -241,13 +241,10 @@ def main(argv=None):
                             us[impl] = measure(runner, fn, nbytes, bandwidth, args, mode, scratch)
                         except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
                             us[impl] = None
-                            where = f"{impl} {phase} {mode} {dtype_name} {rows}x{hidden}"
-                            payload["skipped"][where] = f"{type(e).__name__}: {e}"
-                            print(f"  {where}: {type(e).__name__}: {e}", flush=True)
+                            record_failure(payload, f"{impl} {phase} {mode} {dtype_name} {rows}x{hidden}", e)
                     row = {"dtype": dtype_name, "rows": rows, "hidden": hidden, "phase": phase, "mode": mode,
                            "us": us, "agree_dx": agree_dx, "agree_dw": agree_dw, "bytes": nbytes}
-                    payload["results"].append(row)
-                    print(table([row]).splitlines()[1], flush=True)
+                    add_result(payload, row, table)
             torch.cuda.empty_cache()
         write(args, payload)
     payload["elapsed_s"] = time.perf_counter() - start

@@ -345,6 +345,20 @@ def print_summary(title, table_text, skipped):
         print(f"skipped {k}: {v}")
 
 
+def add_result(payload, row, table):
+    """A measured row: kept in payload["results"] and printed as it comes (``table`` formats rows
+    under a header line)."""
+    payload["results"].append(row)
+    print(table([row]).splitlines()[1], flush=True)
+
+
+def record_failure(payload, where, err):
+    """A peer (or check) that failed at one point of a run: kept under payload["skipped"] and
+    printed; the run goes on."""
+    payload["skipped"][where] = f"{type(err).__name__}: {err}"
+    print(f"  {where}: {payload['skipped'][where]}", flush=True)
+
+
 def us_cells(us, impls):
     """Microseconds per implementation, three decimals; empty where one was not measured."""
     return ["" if us.get(i) is None else f"{us[i]:.3f}" for i in impls]
