@@ -9,7 +9,10 @@ calls on a 1 x 4096 bfloat16 row after a warm-up:
          slower side, this is the GPU-bound rate and host is the queue filling up.
 
 Each figure is the median of REPEATS repeats. torch cases run under
-torch.inference_mode(), as decode does. "launch floor" cases call the cached
+torch.inference_mode(), as decode does. Then the comparisons with torch in pairs
+(PAIRS): ours and torch's way of doing the same in alternating blocks of CALLS calls,
+ROUNDS rounds (``paired_host_ratio``): the median per-round ratio is the figure to
+quote, since one process's times drift by tens of percent. "launch floor" cases call the cached
 cupy.cuda.Function directly with the arguments the library built (what is left when
 all of the library's Python is gone).
 
@@ -17,6 +20,7 @@ all of the library's Python is gone).
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -28,7 +32,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy_rmsnorm as rn  # noqa: E402
-from cupy_rmsnorm.bench.timing import host_times  # noqa: E402
+from cupy_rmsnorm.bench.timing import host_times, paired_host_ratio  # noqa: E402
+
+# (ours, torch's way of doing the same): compared in alternating blocks
+PAIRS = (("cupy_rmsnorm rms_norm, torch", "torch F.rms_norm"),
+         ("cupy_rmsnorm rms_norm, torch, out=", "torch F.rms_norm"),
+         ("cupy_rmsnorm fused, torch", "torch x + r, then F.rms_norm"),
+         ("cupy_rmsnorm fused in place, torch", "torch r.add_(x), then F.rms_norm"))
 
 
 def _capture_launch(call):
@@ -122,6 +132,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2000, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=20, help="alternating rounds per pair (0: no pairs)")
     p.add_argument("--out", help="write the results as JSON to this path")
     args = p.parse_args(argv)
 
@@ -148,7 +159,7 @@ def main(argv=None):
     except ImportError:
         print("(torch is not installed: torch cases skipped)")
 
-    results = []
+    results, paired = [], []
     for group, make_cases, context in groups:
         try:
             if context is not None:
@@ -169,6 +180,15 @@ def main(argv=None):
                 results.append({"case": name, **m})
             except Exception as e:  # noqa: BLE001
                 results.append({"case": name, "error": f"{type(e).__name__}: {e}"})
+        for mine, theirs in PAIRS if args.rounds > 0 else ():
+            if mine not in cases or theirs not in cases:
+                continue
+            try:
+                with context() if context is not None else contextlib.nullcontext():
+                    m = paired_host_ratio(cases[mine], cases[theirs], sync, args.calls, args.rounds, args.warmup)
+                paired.append({"case": mine, "against": theirs, **m})
+            except Exception as e:  # noqa: BLE001
+                paired.append({"case": mine, "against": theirs, "error": f"{type(e).__name__}: {e}"})
 
     baseline = next((r["host_us"] for r in results if r["case"] == "torch F.rms_norm" and "host_us" in r), None)
     print(f"\nhost overhead per call, {args.rows} x {args.hidden} bfloat16, {args.calls} back-to-back calls, "
@@ -181,10 +201,21 @@ def main(argv=None):
         ratio = f"{r['host_us'] / baseline:.2f}" if baseline else "-"
         print(f"{r['case']:<48} {r['host_us']:>9.2f} {r['total_us']:>9.2f} {ratio:>18}")
 
+    if paired:
+        print(f"\nin pairs: alternating blocks of {args.calls} calls, {args.rounds} rounds; "
+              f"ratio = ours / torch's per round")
+        print(f"{'case':<40} {'against':<34} {'ours us':>8} {'theirs us':>9} {'ratio median':>12} {'min-max':>12}")
+        for r in paired:
+            if "error" in r:
+                print(f"{r['case']:<40} {r['against']:<34} error: {r['error']}")
+                continue
+            print(f"{r['case']:<40} {r['against']:<34} {r['host_us_median']:>8.2f} {r['other_host_us_median']:>9.2f} "
+                  f"{r['ratio_median']:>12.3f} {r['ratio_min']:>5.3f}-{r['ratio_max']:.3f}")
+
     if args.out:
         doc = {"benchmark": "host_overhead", "shape": [args.rows, args.hidden], "dtype": "bfloat16",
                "calls": args.calls, "repeats": args.repeats, "warmup": args.warmup,
-               "environment": env, "results": results}
+               "rounds": args.rounds, "environment": env, "results": results, "paired": paired}
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
         print(f"\nwrote {args.out}")

@@ -147,6 +147,31 @@ def test_calls_for_targets_the_time_within_limits():
 
 
 # -- records and text ----------------------------------------------------------------------------
+def test_paired_host_ratio_alternates_and_takes_the_median_ratio():
+    """Each side goes first in every other round; on a clock where ours costs 3 units a call
+    and theirs 4, and the machine slows down by half midway, every round's ratio is 0.75."""
+    now, order = [0.0], []
+    slow = [1.0]
+
+    def clock():
+        return now[0]
+
+    def cost(name, units):
+        def call():
+            order.append(name)
+            now[0] += units * slow[0] * 1e-6
+        return call
+
+    def sync():
+        if len(order) > 20:
+            slow[0] = 1.5
+    m = timing.paired_host_ratio(cost("ours", 3), cost("theirs", 4), sync, calls=5, rounds=4, warmup=1, clock=clock)
+    firsts = [order[k] for k in range(2, len(order), 5)]     # after the warm-up pair, each block's first call
+    assert firsts == ["ours", "theirs", "theirs", "ours", "ours", "theirs", "theirs", "ours"]
+    assert m["ratio_median"] == pytest.approx(0.75) and m["ratio_min"] == pytest.approx(0.75)
+    assert m["host_us_rounds"][0] == pytest.approx(3.0) and m["host_us_rounds"][-1] == pytest.approx(4.5)
+
+
 def test_make_record_derives_bandwidth():
     r = report.make_record("fused", "float16", 2, 1000, "ours", "cold", 2.0, 16_000, 4000.0, 1, 30,
                            None, PLAN)

@@ -391,6 +391,34 @@ def test_the_cpu_run_checks_hf_against_float32_and_survives_without_it(tmp_path,
     assert payload["notes"] == ["no agreement with the float32 model: MemoryError: no room for a float32 copy"]
 
 
+@requires_transformers
+def test_the_agreement_floor_reimplements_hf_bit_for_bit(tmp_path):
+    """The floor's copy of LlamaRMSNorm with a float32 mean gives hf's logits exactly (so
+    the float64 copy differs from hf in the variance's rounding only); it is reported in
+    the Markdown and checked against float32 too."""
+    argv = TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "1", "--agree-batch", "2",
+                   "--out", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    payload = json.loads((tmp_path / "rmsnorm_bench_e2e.json").read_text())
+    floor = payload["agreement_floor"]
+    assert floor["reimplementation_max_abs_diff"] == 0.0
+    assert 0.0 <= floor["top1_agree"] <= 1.0 and 0.0 <= floor["top1_vs_fp32"] <= 1.0
+    assert payload["meta"]["agree_batch"] == 2
+    assert "Agreement floor (hf with its mean of squares in float64" in (tmp_path / "rmsnorm_bench_e2e.md").read_text()
+
+
+def test_a_norm_with_the_mean_in_float64_differs_from_float32_in_the_variance_only():
+    torch = pytest.importorskip("torch")
+    module = types.SimpleNamespace(weight=torch.tensor([1.5, -0.5, 2.0], dtype=torch.bfloat16),
+                                   variance_epsilon=1e-6)
+    h = torch.tensor([[3.0, -1.0, 0.25]], dtype=torch.bfloat16)
+    want = module.weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+    assert torch.equal(e2e._llama_norm_with_mean_in(torch.float32, module, h), want)
+    var64 = h.double().pow(2).mean(-1, keepdim=True).float()
+    want64 = module.weight * (h.float() * torch.rsqrt(var64 + 1e-6)).to(h.dtype)
+    assert torch.equal(e2e._llama_norm_with_mean_in(torch.float64, module, h), want64)
+
+
 class Unsupported(Exception):
     """Dynamo's graph-break error under fullgraph=True, as far as the benchmark can tell."""
 

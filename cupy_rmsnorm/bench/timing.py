@@ -1,5 +1,6 @@
 """Timing primitives: streams, CUDA graphs, the three modes, copy bandwidth, first-call
-latency, and the timing loops the scripts share (``timed_us``, ``graph_us``, ``host_times``).
+latency, and the timing loops the scripts share (``timed_us``, ``graph_us``, ``host_times``,
+``paired_host_ratio``).
 
 Every GPU time here comes from CUDA events recorded on the stream the work runs on (a
 wall clock around an asynchronous launch measures nothing); ``host_times`` is the one
@@ -332,6 +333,39 @@ def host_times(fn, sync, calls, repeats, warmup):
         total.append((t2 - t0) / calls * 1e6)
     return {"host_us": statistics.median(host), "total_us": statistics.median(total),
             "host_us_repeats": host, "total_us_repeats": total}
+
+
+def paired_host_ratio(fn, other, sync, calls, rounds, warmup, clock=time.perf_counter):
+    """``fn``'s host cost over ``other``'s, measured in alternating blocks of ``calls``
+    back-to-back calls (fn, other, other, fn, fn, other, ...: each one first in half the
+    rounds), so that the machine's drift, which moves single processes by 20-40%, falls
+    on both alike. Returns the median of the per-round ratios, their min and max, and
+    each side's per-call microseconds per round."""
+    for _ in range(warmup):
+        fn()
+        other()
+    sync()
+
+    def block(f):
+        t0 = clock()
+        for _ in range(calls):
+            f()
+        t1 = clock()
+        sync()
+        return (t1 - t0) / calls * 1e6
+
+    mine, theirs = [], []
+    for r in range(rounds):
+        if r % 2:
+            theirs.append(block(other))
+            mine.append(block(fn))
+        else:
+            mine.append(block(fn))
+            theirs.append(block(other))
+    ratios = [a / b for a, b in zip(mine, theirs)]
+    return {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "host_us_median": statistics.median(mine), "other_host_us_median": statistics.median(theirs),
+            "host_us_rounds": mine, "other_host_us_rounds": theirs}
 
 
 # -- the ceiling ---------------------------------------------------------------------------
