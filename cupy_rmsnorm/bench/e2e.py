@@ -315,8 +315,9 @@ def format_report(payload):
         lines.append(f"error: {e['where']}: {e['error']}")
     for note in payload.get("notes", []):
         lines.append(f"note: {note}")
-    if floor_line(payload):
-        lines.append(floor_line(payload))
+    floor = floor_line(payload)
+    if floor:
+        lines.append(floor)
     if rows:
         cells = table_rows(payload)
         lines += ["", report.render_table(TABLE_HEADERS, cells, left=(0, 1))]
@@ -339,8 +340,9 @@ def format_markdown(payload):
     lines += ["| " + " | ".join(c) + " |" for c in cells]
     if any(c[-1].endswith("*") for c in cells):
         lines += ["", BREAKS_FOOTNOTE]
-    if floor_line(payload):
-        lines += ["", floor_line(payload)[0].upper() + floor_line(payload)[1:] + "."]
+    floor = floor_line(payload)
+    if floor:
+        lines += ["", floor[0].upper() + floor[1:] + "."]
     notes = [f"{k}: {v}" for k, v in payload.get("skipped", {}).items()]
     if notes:
         lines += ["", "Skipped: " + "; ".join(notes) + "."]
