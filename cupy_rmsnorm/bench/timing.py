@@ -313,6 +313,18 @@ def graph_us(fn, calls, repeats, runner=None):
         timer.close()
 
 
+def _timed_block(fn, sync, calls, clock):
+    """``calls`` back-to-back calls of ``fn``: (microseconds per call to issue them, and to
+    the end of the ``sync()`` after them)."""
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    t1 = clock()
+    sync()
+    t2 = clock()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
 def host_times(fn, sync, calls, repeats, warmup):
     """The host cost of back-to-back calls, per call in microseconds: after ``warmup``
     calls, ``repeats`` times ``calls`` calls with a perf_counter around the loop ("host":
@@ -323,14 +335,9 @@ def host_times(fn, sync, calls, repeats, warmup):
     sync()
     host, total = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / calls * 1e6)
-        total.append((t2 - t0) / calls * 1e6)
+        h, t = _timed_block(fn, sync, calls, time.perf_counter)
+        host.append(h)
+        total.append(t)
     return {"host_us": statistics.median(host), "total_us": statistics.median(total),
             "host_us_repeats": host, "total_us_repeats": total}
 
@@ -347,12 +354,7 @@ def paired_host_ratio(fn, other, sync, calls, rounds, warmup, clock=time.perf_co
     sync()
 
     def block(f):
-        t0 = clock()
-        for _ in range(calls):
-            f()
-        t1 = clock()
-        sync()
-        return (t1 - t0) / calls * 1e6
+        return _timed_block(f, sync, calls, clock)[0]
 
     mine, theirs = [], []
     for r in range(rounds):
