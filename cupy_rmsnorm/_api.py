@@ -230,6 +230,11 @@ def _refuse_unregistered_trace():
                            "yet): import cupy_rmsnorm.torch before compiling")
 
 
+# signature -> the remembered Launcher's bound __call__ (_launcher.remember): looked up inline,
+# since a call of the repeated kind costs microseconds and each frame is a tenth of one
+_launches_get = _launcher.launches.get
+
+
 def _call(fused, arrays, eps, weight_offset, casting_mode):
     """``arrays``: the five in ``Arrays`` order, as a plain tuple (naming them costs a
     NamedTuple's construction, about 0.3 us, on every call; the full path names them)."""
@@ -239,9 +244,12 @@ def _call(fused, arrays, eps, weight_offset, casting_mode):
         _refuse_unregistered_trace()
     # Fast path: a signature seen before needs only the pointer-dependent checks.
     signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
-    launcher = _launcher.lookup(signature)
-    if launcher is not None:
-        result = launcher(arrays)
+    try:
+        launch = _launches_get(signature)
+    except TypeError:       # an unhashable part (an odd eps, say): no fast path
+        launch = None
+    if launch is not None:
+        result = launch(arrays)
         if result is not None:
             return result
     return _full_call(fused, arrays, eps, weight_offset, casting_mode, signature)
@@ -292,9 +300,12 @@ def _quant_call(fused, arrays, eps, weight_offset, casting_mode, group_size, sca
         _refuse_unregistered_trace()
     quant = (group_size, scale_ub, quant_dtype)
     signature = _interop.quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant)
-    launcher = _launcher.lookup(signature)
-    if launcher is not None:
-        result = launcher(arrays)
+    try:
+        launch = _launches_get(signature)
+    except TypeError:
+        launch = None
+    if launch is not None:
+        result = launch(arrays)
         if result is not None:
             return result
     return _full_quant_call(fused, arrays, eps, weight_offset, casting_mode, quant, signature)

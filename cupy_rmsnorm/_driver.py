@@ -12,6 +12,7 @@ without ``cuLaunchKernelEx``, or a driver that refuses the attribute get the pla
 """
 
 import ctypes
+import functools
 import os
 import struct
 import threading
@@ -82,6 +83,18 @@ def device(index):
     return d
 
 
+_device_count = None
+
+
+def device_count():
+    """The number of visible CUDA devices (fixed for the process, so read once)."""
+    global _device_count
+    if _device_count is None:
+        from cupy.cuda import runtime
+        _device_count = runtime.getDeviceCount()
+    return _device_count
+
+
 _DRIVER_LIBRARIES = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
 
 
@@ -135,11 +148,16 @@ class KernelLaunch:
     """One compiled kernel with its (x, y) grid and block size, and the CUlaunchConfig
     that cuLaunchKernelEx reads (with the PDL attribute): built once per plan, so a call
     writes at most the stream into it; ``shared``: dynamic shared memory bytes. Used under the
-    owning Launcher's lock."""
-    __slots__ = ("fn_ptr", "grid", "block", "shared", "stream", "ptr", "_fn_arg", "_buffer", "_attribute")
+    owning Launcher's lock.
+
+    ``ex``: once a launch with the attribute has gone out, cuLaunchKernelEx bound to this
+    config and kernel, ``ex(argv, None)`` -> CUDA error code: the hot path's launch (no
+    Python frame) while the stream stays ``stream``; ``launch`` handles everything else."""
+    __slots__ = ("fn_ptr", "grid", "block", "shared", "stream", "ptr", "ex", "_fn_arg", "_buffer", "_attribute")
 
     def __init__(self, fn_ptr, grid, block, shared=0):
         self.fn_ptr, self.grid, self.block, self.shared, self.stream = fn_ptr, grid, block, shared, 0
+        self.ex = None
         self._attribute = (ctypes.c_char * _ATTRIBUTE.size)()
         _ATTRIBUTE.pack_into(self._attribute, 0, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
         self._buffer = (ctypes.c_char * _CONFIG.size)()
@@ -177,7 +195,10 @@ def launch(dev, kernel, stream, argv):
         if err == _CUDA_ERROR_INVALID_CONTEXT and ensure_context(dev.index):
             err = _launch_ex(kernel.ptr, kernel._fn_arg, argv, None)
         if err == 0:
+            if kernel.ex is None:
+                kernel.ex = functools.partial(_launch_ex, kernel.ptr, kernel._fn_arg)
             return
+        kernel.ex = None
         dev.pdl = False       # refused (an older driver, say): plain from now on
         warnings.warn(f"cupy_rmsnorm: cuLaunchKernelEx failed with CUDA error {err}; launching "
                       "without programmatic dependent launch from now on", RuntimeWarning, stacklevel=2)

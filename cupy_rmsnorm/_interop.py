@@ -298,7 +298,8 @@ def _cupy_signature(fused, arrays, eps, weight_offset, casting_mode):
 # What a Launcher depends on of a tensor, besides shape, strides, dtype and device:
 # requires_grad (autograd must see the call while grad mode is on), is_neg (its memory
 # lacks the sign: resolved on the full path) and, for outputs, is_inference (writeable
-# in inference mode only). Written out flat: this is most of a torch call's host cost.
+# in inference mode only). This is most of a torch call's host cost, so _torch_signature
+# writes the same fields out inline, without a call per tensor.
 def _torch_input_key(t):
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad, t.is_neg())
 
@@ -308,14 +309,16 @@ def _torch_output_key(t):
 
 
 def _torch_signature(fused, arrays, eps, weight_offset, casting_mode):
-    x, residual, weight, out, residual_out = arrays
+    x, r, w, o, ro = arrays
     try:    # anything but a tensor (a CuPy array in the mix, say) fails an attribute here
         return (TorchKind, fused, eps, weight_offset, casting_mode,
                 x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad, x.is_neg(),
-                None if residual is None else _torch_input_key(residual),
-                None if weight is None else _torch_input_key(weight),
-                None if out is None else _torch_output_key(out),
-                None if residual_out is None else _torch_output_key(residual_out))
+                None if r is None else (r.shape, r.stride(), r.dtype, r.get_device(), r.requires_grad, r.is_neg()),
+                None if w is None else (w.shape, w.stride(), w.dtype, w.get_device(), w.requires_grad, w.is_neg()),
+                None if o is None else (o.shape, o.stride(), o.dtype, o.get_device(), o.requires_grad, o.is_neg(),
+                                        o.is_inference()),
+                None if ro is None else (ro.shape, ro.stride(), ro.dtype, ro.get_device(), ro.requires_grad,
+                                         ro.is_neg(), ro.is_inference()))
     except (AttributeError, TypeError, RuntimeError):   # RuntimeError: a sparse tensor's strides
         return None
 

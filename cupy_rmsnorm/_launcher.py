@@ -5,7 +5,7 @@ holds everything about a call that does not depend on the arrays' addresses (ker
 parameters, row strides, memory extents relative to each base pointer). The first call
 with a given signature (kinds, shapes, strides, dtypes, device, scalars) goes through
 the full validation in ``_api`` and leaves its Launcher in this module's cache
-(``lookup`` / ``remember``); later calls with that signature only read the pointers,
+(``remember``, read by ``_api``); later calls with that signature only read the pointers,
 check what depends on them (alignment, vector width, overlap of given outputs with
 inputs), allocate missing outputs and launch. Whatever those cheap checks cannot
 settle returns ``None``, and the caller takes the full path.
@@ -54,32 +54,26 @@ def kernel_weight_offset(scalars):
 
 # -- the cache ---------------------------------------------------------------------------
 _MAX_LAUNCHERS = 1024
-_cache = {}              # call signature -> Launcher
+launches = {}            # call signature -> its Launcher's bound __call__ (never rebound: _api holds .get)
 _plan_overrides = {}     # forced_plan(): launch_plan keyword arguments for new plans
 _plan_record = None      # forced_plan(record=...): a list each new plan is appended to
 
 
-def lookup(signature):
-    """The Launcher remembered for a call signature, or None (also for an unhashable one)."""
-    try:
-        return _cache.get(signature)
-    except TypeError:     # an odd scalar, say: no fast path for this call
-        return None
-
-
 def remember(signature, launcher):
+    """Keep ``launcher`` for calls of ``signature`` (not when the signature is unhashable). The
+    bound method is kept: calling it skips the lookup of __call__ that calling the object does."""
     try:
         hash(signature)
     except TypeError:
         return
-    if len(_cache) >= _MAX_LAUNCHERS:
-        _cache.clear()
-    _cache[signature] = launcher
+    if len(launches) >= _MAX_LAUNCHERS:
+        launches.clear()
+    launches[signature] = launcher.__call__
 
 
 def clear_cache():
     """Forget every Launcher (each next call validates and plans anew)."""
-    _cache.clear()
+    launches.clear()
     _backward_cache.clear()
     _backward_signatures.clear()
 
@@ -105,6 +99,15 @@ def forced_plan(record=None, **overrides):
 
 
 # -- one signature -----------------------------------------------------------------------
+def _apart(a, extent_a, b, extent_b, same_ok):
+    """A pair of pointer slots that must not overlap, as (a, b, low, high, same_ok): arrays a
+    and b span [pa + lo_a, pa + hi_a) and [pb + lo_b, pb + hi_b) (byte extents relative to
+    their pointers), which overlap exactly when low < pb - pa < high; ``same_ok``: pa == pb is
+    allowed (the very same array)."""
+    (lo_a, hi_a), (lo_b, hi_b) = extent_a, extent_b
+    return a, b, lo_a - hi_b, hi_a - lo_b, same_ok
+
+
 class Launcher:
     """Launches one call signature; see the module docstring."""
 
@@ -140,10 +143,10 @@ class Launcher:
         self._slots_base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
         self._by_vec = {}
         self._by_low_bits = {}      # low 4 bits of x's address and differences -> (KernelLaunch, argv)
-        self.other_slots = tuple((k, _SLOT[k]) for k in self.others)
-        self.fresh_out = OUT not in self.given_outputs
         self.fresh_residual_out = self.fused and RESIDUAL_OUT not in self.given_outputs
         self._overlap_pairs = self._pairs_to_keep_apart(layout)
+        self._item_mask = self.itemsize - 1                      # itemsizes are powers of two
+        self._weight_mask = (layout.weight_itemsize or 1) - 1
         self._ptr = kind.ptr
         self._empty = kind.empty_getter(layout.row_strides[X], layout.n_inner, layout.hidden)
         self._stream = kind.stream
@@ -152,11 +155,12 @@ class Launcher:
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
+        # with one visible device, the current device is the arrays' (no query per call)
+        self._one_device = _driver.device_count() == 1
 
     def _pairs_to_keep_apart(self, layout):
-        """(slot a, lo a, hi a, slot b, lo b, hi b, may be the same) for each given output
-        against weight, the inputs and the other output: byte extents relative to each
-        pointer; "the same" (same pointer, same strides) is allowed for an input."""
+        """``_apart`` of each given output against weight, the inputs and the other output;
+        "the same" (same pointer, same strides) is allowed for an input."""
         ext, st = layout.extents, layout.row_strides
         pairs = []
         for o in layout.given_outputs:
@@ -166,7 +170,7 @@ class Launcher:
                 others.append(OUT)
             for k in others:
                 same_ok = k in (X, RESIDUAL) and st[o] == st[k]
-                pairs.append((_SLOT[o], ext[o][0], ext[o][1], _SLOT[k], ext[k][0], ext[k][1], same_ok))
+                pairs.append(_apart(_SLOT[o], ext[o], _SLOT[k], ext[k], same_ok))
         return tuple(pairs)
 
     def plan_and_function(self, vec, edges=True):
@@ -225,44 +229,37 @@ class Launcher:
             return None
         if self.inference_check and not self.kind.inference_mode():
             return None
-        if self._get_device() == self._device_index:
+        if self._one_device or self._get_device() == self._device_index:
             return self._run(arrays, checked)
         with self._device_context(self._device_index):   # allocate and launch on the arrays' device
             return self._run(arrays, checked)
 
     def _run(self, arrays, checked):
-        ptr, itemsize = self._ptr, self.itemsize
-        slots = [0] * 5                                   # the kernel's pointers, in KERNEL_POINTERS order
-        x = arrays[X]
-        slots[0] = px = ptr(x)
-        bits, misaligned = self.stride_bits, px % itemsize
-        for k, i in self.other_slots:
-            a = arrays[k]
-            if a is not None:
-                p = slots[i] = ptr(a)
-                bits |= p - px
-                misaligned |= p % itemsize
-        w = arrays[WEIGHT]
-        if w is not None:
-            slots[4] = p = ptr(w)
-            misaligned |= p % self.layout.weight_itemsize
-        if misaligned:
+        # The hot path of every repeated call: the signature fixes which arrays are present,
+        # so absent ones are pointer 0 and each check is one expression over the pointers.
+        x, residual, weight, out, residual_out = arrays
+        ptr = self._ptr
+        px = ptr(x)
+        pr = 0 if residual is None else ptr(residual)
+        pw = 0 if weight is None else ptr(weight)
+        po = 0 if out is None else ptr(out)
+        pro = 0 if residual_out is None else ptr(residual_out)
+        if (px | pr | po | pro) & self._item_mask or pw & self._weight_mask:
             return None
-        if not checked:      # given outputs provably apart from what they must not overlap
-            for a, alo, ahi, b, blo, bhi, same_ok in self._overlap_pairs:
-                pa, pb = slots[a], slots[b]
-                if pa + alo < pb + bhi and pb + blo < pa + ahi and not (same_ok and pa == pb):
-                    return None
-        out, residual_out = arrays[OUT], arrays[RESIDUAL_OUT]
-        if self.fresh_out:
+        if not checked and self._overlap_pairs and self._overlapping((px, pr, po, pro, pw)):
+            return None
+        if out is None:
             out = self._empty(x)
-            slots[2] = p = ptr(out)
-            bits |= p - px
-        if self.fresh_residual_out:
-            residual_out = self._empty(x)
-            slots[3] = p = ptr(residual_out)
-            bits |= p - px
-        result = (out, residual_out) if self.fused else out
+            po = ptr(out)
+        if self.fused:
+            if residual_out is None:
+                residual_out = self._empty(x)
+                pro = ptr(residual_out)
+            result = out, residual_out
+            bits = self.stride_bits | (pr - px) | (po - px) | (pro - px)
+        else:
+            result = out
+            bits = self.stride_bits | (po - px)
         if self.rows == 0:
             return result
         key = (bits & 15) | ((px & 15) << 4)              # all that decides vector width and edges
@@ -272,9 +269,19 @@ class Launcher:
         kernel, argv, _ = entry
         stream = self._stream(self._device_index)
         with self._lock:
-            _pack_pointers(self._slots, 0, *slots)
-            _driver.launch(self.device, kernel, stream, argv)
+            _pack_pointers(self._slots, 0, px, pr, po, pro, pw)
+            if kernel.stream != stream or kernel.ex is None or kernel.ex(argv, None):
+                _driver.launch(self.device, kernel, stream, argv)    # a new stream, plain, or an error
         return result
+
+    def _overlapping(self, pointers):
+        """Whether a given output overlaps what it must keep apart from (``pointers``: by
+        slot; KERNEL_POINTERS order); being the very same array is allowed for an input."""
+        for a, b, low, high, same_ok in self._overlap_pairs:
+            d = pointers[b] - pointers[a]
+            if low < d < high and not (same_ok and d == 0):
+                return True
+        return False
 
 
 # -- quantized forms ---------------------------------------------------------------------------
@@ -328,7 +335,7 @@ class QuantLauncher(Launcher):
         for n, o in enumerate(given):
             for k in inputs + given[:n]:
                 same_ok = o == RESIDUAL_OUT and k in (X, RESIDUAL) and st[o] == st[k]
-                pairs.append((_QSLOT[o], ext[o][0], ext[o][1], _QSLOT[k], ext[k][0], ext[k][1], same_ok))
+                pairs.append(_apart(_QSLOT[o], ext[o], _QSLOT[k], ext[k], same_ok))
         return tuple(pairs)
 
     def function(self, plan):
@@ -361,11 +368,8 @@ class QuantLauncher(Launcher):
         q = arrays[OUT]
         if q is not None:
             slots[2] = ptr(q)
-        if not checked:
-            for a, alo, ahi, b, blo, bhi, same_ok in self._overlap_pairs:
-                pa, pb = slots[a], slots[b]
-                if pa + alo < pb + bhi and pb + blo < pa + ahi and not (same_ok and pa == pb):
-                    return None
+        if not checked and self._overlapping(slots):
+            return None
         residual_out, scales = arrays[RESIDUAL_OUT], arrays[SCALE if self.static else SCALES]
         if q is None:
             q = self._new_q(x)
@@ -391,7 +395,8 @@ class QuantLauncher(Launcher):
         stream = self._stream(self._device_index)
         with self._lock:
             _pack_quant_pointers(self._slots, 0, *slots)
-            _driver.launch(self.device, kernel, stream, argv)
+            if kernel.stream != stream or kernel.ex is None or kernel.ex(argv, None):
+                _driver.launch(self.device, kernel, stream, argv)
         return result
 
 

@@ -59,3 +59,27 @@ def test_refused_attribute_falls_back_for_good(monkeypatch):
     assert dev.pdl is False and plain == [(0, 7, (2, 1), 128, 0, 5, 99)]   # no dynamic shared memory
     _driver.launch(dev, kernel, 5, argv)            # plain, and no second warning
     assert len(plain) == 2
+
+
+def test_bound_launch_once_one_went_out(monkeypatch):
+    """After a launch with the attribute succeeds, kernel.ex is cuLaunchKernelEx bound to
+    the kernel's config and function (the hot path calls it directly); a refusal unbinds it."""
+    seen = []
+
+    def launch_ex(config, fn, argv, extra):
+        seen.append((config, fn, argv, extra))
+        return 0
+
+    monkeypatch.setattr(_driver, "_launch_ex", launch_ex)
+    dev = _driver.Device(0, 132, (9, 0), True)
+    kernel, argv = _driver.KernelLaunch(7, (2, 1), 128), ctypes.c_void_p(99)
+    assert kernel.ex is None
+    _driver.launch(dev, kernel, 5, argv)
+    assert kernel.stream == 5 and seen == [(kernel.ptr, kernel._fn_arg, argv, None)]
+    assert kernel.ex(argv, None) == 0 and seen[-1] == seen[0]
+    monkeypatch.setattr(_driver, "_launch_ex", lambda *a: 1)
+    monkeypatch.setattr(_driver, "_launch_plain", lambda *a: None)
+    import pytest
+    with pytest.warns(RuntimeWarning):
+        _driver.launch(dev, kernel, 5, argv)
+    assert kernel.ex is None and dev.pdl is False

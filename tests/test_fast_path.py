@@ -1,0 +1,66 @@
+"""The pieces of a repeated call's fast path that need no GPU: the overlap test of given
+outputs (``_launcher._apart`` / ``Launcher._overlapping``) against the plain interval
+definition, and the torch signature against its per-tensor definition."""
+
+import itertools
+import types
+
+import pytest
+
+from cupy_rmsnorm import _interop, _launcher
+
+
+def _overlaps(pa, extent_a, pb, extent_b):
+    """[pa + lo_a, pa + hi_a) and [pb + lo_b, pb + hi_b) share a byte."""
+    return pa + extent_a[0] < pb + extent_b[1] and pb + extent_b[0] < pa + extent_a[1]
+
+
+@pytest.mark.parametrize("same_ok", [False, True])
+def test_overlap_test_is_the_interval_definition(same_ok):
+    extents = [(0, 8), (0, 1), (-16, 4), (4, 12), (-3, -1)]
+    pointers = range(0, 40, 3)
+    checked = 0
+    for ea, eb in itertools.product(extents, repeat=2):
+        pair = _launcher._apart(0, ea, 1, eb, same_ok)
+        launcher = types.SimpleNamespace(_overlap_pairs=(pair,))
+        for pa, pb in itertools.product(pointers, repeat=2):
+            expected = _overlaps(pa, ea, pb, eb) and not (same_ok and pa == pb)
+            assert _launcher.Launcher._overlapping(launcher, (pa, pb)) is expected, (ea, eb, pa, pb)
+            checked += 1
+    assert checked == len(extents) ** 2 * len(pointers) ** 2
+
+
+def test_overlap_test_checks_every_pair():
+    """The answer is True as soon as one pair of several overlaps, and only then."""
+    apart = _launcher._apart(0, (0, 8), 1, (0, 8), False)
+    same = _launcher._apart(0, (0, 8), 2, (0, 8), True)
+    launcher = types.SimpleNamespace(_overlap_pairs=(same, apart))
+    assert not _launcher.Launcher._overlapping(launcher, (100, 200, 100))    # same array: allowed
+    assert _launcher.Launcher._overlapping(launcher, (100, 104, 100))        # the second pair
+    assert _launcher.Launcher._overlapping(launcher, (100, 200, 104))        # the first pair
+
+
+def test_torch_signature_is_the_per_tensor_keys():
+    """_torch_signature writes the per-tensor keys out inline (one call fewer per tensor);
+    it must be exactly those keys, and tell apart what they tell apart."""
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    r = torch.zeros(3, 8, dtype=torch.bfloat16)
+    w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    o, ro = torch.empty_like(x), torch.empty_like(x)
+    configurations = [(x, None, None, None, None), (x, None, w, None, None), (x, None, w, o, None),
+                      (x, r, w, None, None), (x, r, w, o, ro), (x, r, None, None, ro), (x[:, :4], None, w[:4], None, None),
+                      (x.t(), None, None, None, None), (x.float(), None, w, None, None), (x, None, w.detach(), None, None)]
+    keys = set()
+    for fused, arrays in itertools.product((False, True), configurations):
+        key = _interop.signature(fused, arrays, 1e-6, 0.0, "fp32")
+        a, *rest = arrays
+        inputs = [None if t is None else _interop._torch_input_key(t) for t in rest[:2]]
+        outputs = [None if t is None else _interop._torch_output_key(t) for t in rest[2:]]
+        assert key == (_interop.TorchKind, fused, 1e-6, 0.0, "fp32", *_interop._torch_input_key(a), *inputs, *outputs)
+        keys.add(key)
+    assert len(keys) == 2 * len(configurations)
+    with torch.inference_mode():
+        inference_out = torch.empty_like(x)
+    assert (_interop.signature(False, (x, None, w, inference_out, None), 1e-6, 0.0, "fp32")
+            != _interop.signature(False, (x, None, w, o, None), 1e-6, 0.0, "fp32"))
