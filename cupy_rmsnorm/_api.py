@@ -231,7 +231,7 @@ def _refuse_unregistered_trace():
 
 
 # signature -> the remembered Launcher's bound __call__ (_launcher.remember): looked up inline,
-# since a call of the repeated kind costs microseconds and each frame is a tenth of one
+# since a repeated call's Python is a few microseconds and every frame costs tens of ns
 _launches_get = _launcher.launches.get
 
 

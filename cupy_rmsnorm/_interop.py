@@ -298,8 +298,9 @@ def _cupy_signature(fused, arrays, eps, weight_offset, casting_mode):
 # What a Launcher depends on of a tensor, besides shape, strides, dtype and device:
 # requires_grad (autograd must see the call while grad mode is on), is_neg (its memory
 # lacks the sign: resolved on the full path) and, for outputs, is_inference (writeable
-# in inference mode only). This is most of a torch call's host cost, so _torch_signature
-# writes the same fields out inline, without a call per tensor.
+# in inference mode only). Reading them is a good part of a torch call's host cost, so
+# _torch_signature writes the same fields out inline, without a call per tensor (a CPU test
+# checks the two against each other).
 def _torch_input_key(t):
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad, t.is_neg())
 
