@@ -36,6 +36,7 @@ from cupy_rmsnorm.bench.timing import host_times, paired_host_ratio  # noqa: E40
 
 # (ours, torch's way of doing the same): compared in alternating blocks
 PAIRS = (("cupy_rmsnorm rms_norm, torch", "torch F.rms_norm"),
+         ("cupy_rmsnorm rms_norm, torch, Parameter weight", "torch F.rms_norm, Parameter weight"),
          ("cupy_rmsnorm rms_norm, torch, out=", "torch F.rms_norm"),
          ("cupy_rmsnorm fused, torch", "torch x + r, then F.rms_norm"),
          ("cupy_rmsnorm fused in place, torch", "torch r.add_(x), then F.rms_norm"))
@@ -98,6 +99,8 @@ def torch_cases(rows, hidden):
     r = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(torch.bfloat16)
     out = torch.empty_like(x)
+    with torch.inference_mode(False):        # a model's weight: a plain tensor that requires grad
+        param = torch.nn.Parameter(w.clone())
     xi, ri = x.clone(), r.clone()   # for the in-place forms; their values drift, the cost does not
 
     def torch_add_norm():
@@ -111,6 +114,8 @@ def torch_cases(rows, hidden):
         "cupy_rmsnorm rms_norm, torch": functools.partial(rn.rms_norm, x, w),
         "cupy_rmsnorm rms_norm, torch, out=": functools.partial(rn.rms_norm, x, w, out=out),
         "torch F.rms_norm": functools.partial(F.rms_norm, x, (hidden,), w, 1e-6),
+        "cupy_rmsnorm rms_norm, torch, Parameter weight": functools.partial(rn.rms_norm, x, param),
+        "torch F.rms_norm, Parameter weight": functools.partial(F.rms_norm, x, (hidden,), param, 1e-6),
         "cupy_rmsnorm fused, torch": functools.partial(rn.fused_add_rms_norm, x, r, w),
         "cupy_rmsnorm fused in place, torch": functools.partial(
             rn.fused_add_rms_norm, xi, ri, w, out=xi, residual_out=ri),

@@ -230,8 +230,12 @@ def _refuse_unregistered_trace():
                            "yet): import cupy_rmsnorm.torch before compiling")
 
 
-# signature -> the remembered Launcher's bound __call__ (_launcher.remember): looked up inline,
-# since a repeated call's Python is a few microseconds and every frame costs tens of ns
+# The fast path is inline in _call and _quant_call: a repeated call's Python is a few
+# microseconds, and every frame costs tens of ns. An array type's signature function is
+# looked up here (_interop.signature finds and records it for a new type); then the signature
+# is compared with the last hit's before the cache's dict (_launcher.last_hit), whose lookup
+# hashes it.
+_signatures_get = _interop.SIGNATURES.get
 _launches_get = _launcher.launches.get
 
 
@@ -243,10 +247,15 @@ def _call(fused, arrays, eps, weight_offset, casting_mode):
     if _compiling is None and sys.modules.get("torch") is not None:
         _refuse_unregistered_trace()
     # Fast path: a signature seen before needs only the pointer-dependent checks.
-    signature = _interop.signature(fused, arrays, eps, weight_offset, casting_mode)
+    signature = _signatures_get(type(arrays[0]), _interop.signature)(fused, arrays, eps, weight_offset,
+                                                                      casting_mode)
+    last_signature, launch = _launcher.last_hit
     try:
-        launch = _launches_get(signature)
-    except TypeError:       # an unhashable part (an odd eps, say): no fast path
+        if signature != last_signature:
+            launch = _launches_get(signature)
+            if launch is not None:
+                _launcher.last_hit = signature, launch
+    except Exception:       # an odd part (an eps that cannot be hashed or compared): no fast path
         launch = None
     if launch is not None:
         result = launch(arrays)
@@ -300,9 +309,13 @@ def _quant_call(fused, arrays, eps, weight_offset, casting_mode, group_size, sca
         _refuse_unregistered_trace()
     quant = (group_size, scale_ub, quant_dtype)
     signature = _interop.quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant)
+    last_signature, launch = _launcher.last_hit
     try:
-        launch = _launches_get(signature)
-    except TypeError:
+        if signature != last_signature:
+            launch = _launches_get(signature)
+            if launch is not None:
+                _launcher.last_hit = signature, launch
+    except Exception:
         launch = None
     if launch is not None:
         result = launch(arrays)
@@ -363,7 +376,7 @@ def _check_torch(arrays, names, outputs=()):
 def _needs_autograd(arrays):
     """Whether autograd must see this torch call: grad mode is on and a tensor requires grad."""
     import torch
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arrays)
+    return torch.is_grad_enabled() and _interop.any_requires_grad(arrays)
 
 
 def register_torch_ops():

@@ -40,14 +40,6 @@ class _PlainKind:
     def resolve(a, arg):
         return a
 
-    @staticmethod
-    def requires_grad(a):
-        return False
-
-    @staticmethod
-    def is_inference(a):
-        return False
-
 
 class NumpyKind(_PlainKind):
     """NumPy arrays: the reference runs on the CPU."""
@@ -98,14 +90,6 @@ class CupyKind(_PlainKind):
     def quant_storage(quant_dtype):
         """The dtype of a fresh quantized output: CuPy has no FP8 dtype, so FP8 bytes come as uint8."""
         return "int8" if quant_dtype == "int8" else "uint8"
-
-    @staticmethod
-    def grad_enabled():
-        return False
-
-    @staticmethod
-    def inference_mode():
-        return False
 
     @staticmethod
     def contiguous(a):
@@ -198,20 +182,12 @@ class TorchKind:
         return quant_dtype
 
     @staticmethod
-    def requires_grad(t):
-        return t.requires_grad
-
-    @staticmethod
     def grad_enabled():
         return sys.modules["torch"].is_grad_enabled()
 
     @staticmethod
     def inference_mode():
         return sys.modules["torch"].is_inference_mode_enabled()
-
-    @staticmethod
-    def is_inference(t):
-        return t.is_inference()
 
     @staticmethod
     def contiguous(t):
@@ -295,36 +271,47 @@ def _cupy_signature(fused, arrays, eps, weight_offset, casting_mode):
     return tuple(key)
 
 
-# What a Launcher depends on of a tensor, besides shape, strides, dtype and device:
-# requires_grad (autograd must see the call while grad mode is on), is_neg (its memory
-# lacks the sign: resolved on the full path) and, for outputs, is_inference (writeable
-# in inference mode only). Reading them is a good part of a torch call's host cost, so
-# _torch_signature writes the same fields out inline, without a call per tensor (a CPU test
-# checks the two against each other).
+# What a Launcher depends on of a tensor, besides shape, strides, dtype and device: is_neg
+# (its memory lacks the sign: resolved on the full path) and, for outputs, whether it can be
+# written now (an inference tensor only in inference mode). Of the call, whether autograd must
+# record it (grad mode on and a tensor requiring grad: then the full path routes it). With
+# these in the signature a Launcher needs no check of its own per call. Reading them is a good
+# part of a torch call's host cost, so _torch_signature writes the same fields out inline,
+# without a call per tensor (a CPU test checks the two against each other).
 def _torch_input_key(t):
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad, t.is_neg())
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.is_neg())
 
 
 def _torch_output_key(t):
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad, t.is_neg(), t.is_inference())
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.is_neg(),
+            not t.is_inference() or TorchKind.inference_mode())
+
+
+def any_requires_grad(arrays):
+    """Whether a tensor among ``arrays`` (None where absent) requires grad."""
+    for t in arrays:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def _torch_signature(fused, arrays, eps, weight_offset, casting_mode):
     x, r, w, o, ro = arrays
     try:    # anything but a tensor (a CuPy array in the mix, say) fails an attribute here
         return (TorchKind, fused, eps, weight_offset, casting_mode,
-                x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad, x.is_neg(),
-                None if r is None else (r.shape, r.stride(), r.dtype, r.get_device(), r.requires_grad, r.is_neg()),
-                None if w is None else (w.shape, w.stride(), w.dtype, w.get_device(), w.requires_grad, w.is_neg()),
-                None if o is None else (o.shape, o.stride(), o.dtype, o.get_device(), o.requires_grad, o.is_neg(),
-                                        o.is_inference()),
-                None if ro is None else (ro.shape, ro.stride(), ro.dtype, ro.get_device(), ro.requires_grad,
-                                         ro.is_neg(), ro.is_inference()))
+                TorchKind.grad_enabled() and any_requires_grad(arrays),
+                x.shape, x.stride(), x.dtype, x.get_device(), x.is_neg(),
+                None if r is None else (r.shape, r.stride(), r.dtype, r.get_device(), r.is_neg()),
+                None if w is None else (w.shape, w.stride(), w.dtype, w.get_device(), w.is_neg()),
+                None if o is None else (o.shape, o.stride(), o.dtype, o.get_device(), o.is_neg(),
+                                        not o.is_inference() or TorchKind.inference_mode()),
+                None if ro is None else (ro.shape, ro.stride(), ro.dtype, ro.get_device(), ro.is_neg(),
+                                         not ro.is_inference() or TorchKind.inference_mode()))
     except (AttributeError, TypeError, RuntimeError):   # RuntimeError: a sparse tensor's strides
         return None
 
 
-_SIGNATURES = {}   # type of x -> its kind's signature function
+SIGNATURES = {}   # type of x -> its kind's signature function
 
 
 def signature(fused, arrays, eps, weight_offset, casting_mode):
@@ -334,13 +321,13 @@ def signature(fused, arrays, eps, weight_offset, casting_mode):
     ``arrays``: the five in ``Arrays`` order (x, residual, weight, out, residual_out;
     None where absent).
     """
-    sig = _SIGNATURES.get(type(arrays[0]))
+    sig = SIGNATURES.get(type(arrays[0]))
     if sig is None:
         cupy, torch = sys.modules.get("cupy"), sys.modules.get("torch")
         if cupy is not None and type(arrays[0]) is cupy.ndarray:
-            sig = _SIGNATURES[cupy.ndarray] = _cupy_signature
+            sig = SIGNATURES[cupy.ndarray] = _cupy_signature
         elif torch is not None and type(arrays[0]) is torch.Tensor:   # weights may be nn.Parameter
-            sig = _SIGNATURES[torch.Tensor] = _torch_signature
+            sig = SIGNATURES[torch.Tensor] = _torch_signature
         else:
             return None
     return sig(fused, arrays, eps, weight_offset, casting_mode)

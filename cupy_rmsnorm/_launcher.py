@@ -54,25 +54,30 @@ def kernel_weight_offset(scalars):
 
 # -- the cache ---------------------------------------------------------------------------
 _MAX_LAUNCHERS = 1024
-launches = {}            # call signature -> its Launcher's bound __call__ (never rebound: _api holds .get)
+launches = {}            # call signature -> its Launcher's entry (never rebound: _api holds .get)
+last_hit = (None, None)  # (signature, entry) of the latest lookup that found one: _api compares with it
+                         # first (decode's norms share a signature), which skips the hash; one tuple, so
+                         # a thread never reads one call's signature with another's entry
 _plan_overrides = {}     # forced_plan(): launch_plan keyword arguments for new plans
 _plan_record = None      # forced_plan(record=...): a list each new plan is appended to
 
 
 def remember(signature, launcher):
-    """Keep ``launcher`` for calls of ``signature`` (not when the signature is unhashable). The
-    bound method is kept: calling it skips the lookup of __call__ that calling the object does."""
+    """Keep ``launcher`` for calls of ``signature`` (not when the signature is unhashable). Its
+    entry is kept, a bound method: calling it skips the lookup that calling the object does."""
     try:
         hash(signature)
     except TypeError:
         return
     if len(launches) >= _MAX_LAUNCHERS:
         launches.clear()
-    launches[signature] = launcher.__call__
+    launches[signature] = launcher.entry
 
 
 def clear_cache():
     """Forget every Launcher (each next call validates and plans anew)."""
+    global last_hit
+    last_hit = (None, None)
     launches.clear()
     _backward_cache.clear()
     _backward_signatures.clear()
@@ -119,8 +124,6 @@ class Launcher:
         self.shape, self.itemsize, self.rows, self.hidden = layout.shape, layout.itemsize, layout.rows, layout.hidden
         row_strides = layout.row_strides
         self.given_outputs = layout.given_outputs
-        self.grad_check = layout.requires_grad      # then the full path decides while grad mode is on
-        self.inference_check = layout.inference_outputs   # and outside inference mode
         self.others = (RESIDUAL, OUT, RESIDUAL_OUT) if self.fused else (OUT,)  # must follow x's alignment
         # with the pointer differences, the stride differences from x decide the vector width
         xso, xsi = row_strides[X]
@@ -150,13 +153,14 @@ class Launcher:
         self._ptr = kind.ptr
         self._empty = kind.empty_getter(layout.row_strides[X], layout.n_inner, layout.hidden)
         self._stream = kind.stream
-        self._grad_enabled = kind.grad_enabled
         self._device_index = self.device.index
         self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
-        # with one visible device, the current device is the arrays' (no query per call)
+        # with one visible device, the current device is the arrays' (no query per call), so
+        # the cache keeps _run itself: one frame less per call
         self._one_device = _driver.device_count() == 1
+        self.entry = self._run if self._one_device else self.__call__
 
     def _pairs_to_keep_apart(self, layout):
         """``_apart`` of each given output against weight, the inputs and the other output;
@@ -223,18 +227,15 @@ class Launcher:
         """Launch on ``arrays`` (the five in ``Arrays`` order, None where absent).
 
         Returns the result, or None when the full path must decide (nothing was done).
-        ``checked``: the full path has just validated these very arrays.
+        ``checked``: the full path has just validated these very arrays. Grad mode and
+        inference mode are the signature's business (_interop), not checked here.
         """
-        if self.grad_check and self._grad_enabled():
-            return None
-        if self.inference_check and not self.kind.inference_mode():
-            return None
         if self._one_device or self._get_device() == self._device_index:
             return self._run(arrays, checked)
         with self._device_context(self._device_index):   # allocate and launch on the arrays' device
             return self._run(arrays, checked)
 
-    def _run(self, arrays, checked):
+    def _run(self, arrays, checked=False):
         # The hot path of every repeated call: the signature fixes which arrays are present,
         # so absent ones are pointer 0 and each check is one expression over the pointers.
         x, residual, weight, out, residual_out = arrays
@@ -268,10 +269,14 @@ class Launcher:
             entry = self._by_low_bits[key] = self._launch_entry(bits, px)
         kernel, argv, _ = entry
         stream = self._stream(self._device_index)
-        with self._lock:
+        lock = self._lock        # acquire and release: cheaper than a with statement's protocol
+        lock.acquire()
+        try:
             _pack_pointers(self._slots, 0, px, pr, po, pro, pw)
             if kernel.stream != stream or kernel.ex is None or kernel.ex(argv, None):
                 _driver.launch(self.device, kernel, stream, argv)    # a new stream, plain, or an error
+        finally:
+            lock.release()
         return result
 
     def _overlapping(self, pointers):
@@ -303,8 +308,6 @@ class QuantLauncher(Launcher):
     def __init__(self, layout, scalars, kind, spec):
         super().__init__(layout.call, scalars, kind)
         self.quant, self.spec, self.quant_form = layout, spec, spec.form
-        self.grad_check = False             # no autograd: the outputs are not differentiable
-        self.inference_check = self.inference_check or layout.inference_scales
         # q's bytes are checked against x's elements (in _run); the others are x's dtype
         self.other_slots = tuple((k, _SLOT[k]) for k in ((RESIDUAL, RESIDUAL_OUT) if self.fused else ()))
         self.aligned_slots = ((WEIGHT, 4, self.layout.weight_itemsize), (SCALE, 5, 4), (SCALES, 6, 4))
@@ -346,7 +349,7 @@ class QuantLauncher(Launcher):
     def _kernel_args(self, params):
         return super()._kernel_args(params) + [self.quant_params.ctypes.data]
 
-    def _run(self, arrays, checked):
+    def _run(self, arrays, checked=False):
         ptr, itemsize = self._ptr, self.itemsize
         slots = [0] * 7                                   # the kernel's pointers, in _QSLOT order
         x = arrays[X]
@@ -393,10 +396,14 @@ class QuantLauncher(Launcher):
             entry = self._by_low_bits[key] = self._launch_entry(bits, px)
         kernel, argv, _ = entry
         stream = self._stream(self._device_index)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             _pack_quant_pointers(self._slots, 0, *slots)
             if kernel.stream != stream or kernel.ex is None or kernel.ex(argv, None):
                 _driver.launch(self.device, kernel, stream, argv)
+        finally:
+            lock.release()
         return result
 
 

@@ -38,8 +38,6 @@ class CallLayout(NamedTuple):
       level of one row is 0. extents: per array, the [lo, hi) bytes its rows cover,
       relative to its pointer. given_outputs: positions of the outputs the caller passed.
     copied: an input was copied to a contiguous temporary (no fast path for such calls).
-    requires_grad: an array is a tensor that requires grad (autograd must see such calls).
-    inference_outputs: a given output is an inference tensor (writeable in inference mode only).
     """
     fused: bool
     shape: tuple
@@ -54,8 +52,6 @@ class CallLayout(NamedTuple):
     extents: Arrays
     given_outputs: tuple
     copied: bool
-    requires_grad: bool
-    inference_outputs: bool
 
     @property
     def hidden(self):
@@ -120,9 +116,7 @@ def call_layout(kind, fused, arrays, metas, copied=False):
     wm = metas[WEIGHT]
     result = CallLayout(fused, tuple(xm.shape), rows, n_inner, xm.dtype, itemsize,
                         wm.dtype if wm else None, wm.itemsize if wm else 0, xm.device,
-                        Arrays(*strides), Arrays(*extents), tuple(outputs), copied,
-                        any(kind.requires_grad(a) for a in arrays if a is not None),
-                        any(kind.is_inference(arrays[k]) for k in outputs))
+                        Arrays(*strides), Arrays(*extents), tuple(outputs), copied)
     check_overlap(result, Arrays(*metas))
     return Arrays(*arrays), result
 
@@ -324,7 +318,7 @@ class QuantLayout(NamedTuple):
     elements, the row counted linearly over x's leading axes ((0, 0) for the static form);
     scales_padded: the column length of fresh per-group scales (rows rounded up to
     TMA_ALIGN_ROWS), else 0; extents: [lo, hi) bytes of scale and scales relative to their
-    pointers (None where absent); inference_scales: a given scales_out is an inference tensor."""
+    pointers (None where absent)."""
     call: CallLayout
     form: str
     scales_shape: tuple
@@ -332,7 +326,6 @@ class QuantLayout(NamedTuple):
     scales_padded: int
     scale_extent: Optional[tuple]
     scales_extent: Optional[tuple]
-    inference_scales: bool = False
 
 
 def quant_layout(kind, fused, arrays, metas, form, scales_shape, copied=False):
@@ -363,8 +356,7 @@ def quant_layout(kind, fused, arrays, metas, form, scales_shape, copied=False):
     if scm is not None:
         lo, hi = extent(0, strides, rows * groups, groups, 1, 4)
         scales_extent = (lo, hi)
-    layout = QuantLayout(call, form, tuple(scales_shape), strides, padded, scale_extent, scales_extent,
-                         arrays[SCALES] is not None and kind.is_inference(arrays[SCALES]))
+    layout = QuantLayout(call, form, tuple(scales_shape), strides, padded, scale_extent, scales_extent)
     _check_quant_overlap(layout, metas)
     return QuantArrays(*five, arrays[SCALE], arrays[SCALES]), layout
 

@@ -42,7 +42,8 @@ def test_overlap_test_checks_every_pair():
 
 def test_torch_signature_is_the_per_tensor_keys():
     """_torch_signature writes the per-tensor keys out inline (one call fewer per tensor);
-    it must be exactly those keys, and tell apart what they tell apart."""
+    it must be exactly those keys, with whether autograd must record the call, and tell
+    apart what they tell apart."""
     torch = pytest.importorskip("torch")
     x = torch.zeros(3, 8, dtype=torch.bfloat16)
     r = torch.zeros(3, 8, dtype=torch.bfloat16)
@@ -57,10 +58,67 @@ def test_torch_signature_is_the_per_tensor_keys():
         a, *rest = arrays
         inputs = [None if t is None else _interop._torch_input_key(t) for t in rest[:2]]
         outputs = [None if t is None else _interop._torch_output_key(t) for t in rest[2:]]
-        assert key == (_interop.TorchKind, fused, 1e-6, 0.0, "fp32", *_interop._torch_input_key(a), *inputs, *outputs)
+        autograd = any(t is not None and t.requires_grad for t in arrays)     # grad mode is on here
+        assert key == (_interop.TorchKind, fused, 1e-6, 0.0, "fp32", autograd, *_interop._torch_input_key(a),
+                       *inputs, *outputs)
         keys.add(key)
     assert len(keys) == 2 * len(configurations)
+
+
+def test_torch_signature_holds_the_modes():
+    """Grad mode and inference mode decide the call as much as the tensors do: whether autograd
+    must record it, and whether an inference tensor can be written."""
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    o = torch.empty_like(x)
+
+    def key(*arrays):
+        return _interop.signature(False, arrays + (None,) * (5 - len(arrays)), 1e-6, 0.0, "fp32")
+
+    assert key(x, None, w) != key(x, None, w.detach())       # grad mode on: autograd records the first
+    with torch.no_grad():
+        assert key(x, None, w) == key(x, None, w.detach())   # off: requires_grad does not matter
     with torch.inference_mode():
         inference_out = torch.empty_like(x)
-    assert (_interop.signature(False, (x, None, w, inference_out, None), 1e-6, 0.0, "fp32")
-            != _interop.signature(False, (x, None, w, o, None), 1e-6, 0.0, "fp32"))
+        assert key(x, None, w, inference_out) == key(x, None, w, o)    # both writeable here
+    assert key(x, None, w, inference_out) != key(x, None, w, o)        # not the inference tensor here
+    assert _interop._torch_output_key(inference_out)[-1] is False
+    with torch.inference_mode():
+        assert _interop._torch_output_key(inference_out)[-1] is True
+
+
+def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared(monkeypatch):
+    """The cache's entry for a signature runs a repeated call; the latest hit is found again
+    without the dict, and clear_cache forgets it too. (CPU tensors, a stand-in entry: the
+    plumbing only; the GPU tests launch for real.)"""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    import cupy_rmsnorm as rn
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    w = torch.ones(8, dtype=torch.bfloat16)
+    signature = _interop.signature(False, (x, None, w, None, None), 1e-6, 0.0, "fp32")
+    seen = []
+
+    def entry(arrays):
+        seen.append(arrays)
+        return "launched"
+
+    _launcher.clear_cache()
+    try:
+        _launcher.launches[signature] = entry
+        assert rn.rms_norm(x, w) == "launched"
+        assert _launcher.last_hit == (signature, entry)
+        del _launcher.launches[signature]
+        assert rn.rms_norm(x, w) == "launched"           # the last hit, no dict lookup
+        assert seen == [(x, None, w, None, None)] * 2
+        with pytest.raises(TypeError, match="eps"):      # an eps no signature can compare: the full path says
+            rn.rms_norm(x, w, eps=np.array([1e-6, 1e-6]))
+        _launcher.clear_cache()
+        assert _launcher.last_hit == (None, None)
+        with pytest.raises(ValueError, match="CUDA"):    # the full path again: these are CPU tensors
+            rn.rms_norm(x, w)
+        assert len(seen) == 2
+    finally:
+        _launcher.clear_cache()
