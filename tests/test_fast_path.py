@@ -88,7 +88,7 @@ def test_torch_signature_holds_the_modes():
         assert _interop._torch_output_key(inference_out)[-1] is True
 
 
-def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared(monkeypatch):
+def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared():
     """The cache's entry for a signature runs a repeated call; the latest hit is found again
     without the dict, and clear_cache forgets it too. (CPU tensors, a stand-in entry: the
     plumbing only; the GPU tests launch for real.)"""
