@@ -20,7 +20,10 @@ CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat1
 # (a CPU test reads both sides)
 QUANT_FORMS = {"static": 1, "per_token": 2, "per_group": 3}
 QUANT_TYPES = {"float8_e4m3fn": 0, "float8_e5m2": 1, "int8": 2}
-NVRTC_OPTIONS = ("--std=c++17",)
+# -default-device: NVRTC takes a generic lambda's call operator for host code unless unannotated
+# functions default to the device (kernels/rms_norm_backward.cu passes the backward's flags to
+# one as compile-time constants); every function of the kernels is annotated anyway.
+NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_bf16.h"
 
 

@@ -82,6 +82,31 @@ __device__ __forceinline__ T dx_of(float dyf, float xf, float wf, float inv_rms,
     return from_float<T>(inv_rms * (dyf * wf - xf * inv_rms * c) + add);
 }
 
+// Compile-time flags for generic lambdas (NVRTC has no <type_traits>).
+template <bool B>
+struct Constant { static constexpr bool value = B; };
+using True = Constant<true>;
+using False = Constant<false>;
+struct Flag { bool value; };     // the same, known at run time only
+
+// f(add_grad, weight_grad, llama) with the flags as Constant values, chosen once a row: tested
+// per element, the flags cost more instructions than the arithmetic (the staged kernel at
+// 4096 x 4096: 337 warp instructions a row, ncu, run FA), and the backward is bound by
+// instruction issue. Llama matters only to dweight.
+template <typename F>
+__device__ __forceinline__ void with_backward_flags(int flags, const F& f) {
+    const bool weight_grad = flags & kWeightGrad, llama = flags & kLlama;
+    if (flags & kAddGrad) {
+        if (!weight_grad) f(True{}, False{}, False{});
+        else if (llama) f(True{}, True{}, True{});
+        else f(True{}, True{}, False{});
+    } else {
+        if (!weight_grad) f(False{}, False{}, False{});
+        else if (llama) f(False{}, True{}, True{});
+        else f(False{}, True{}, False{});
+    }
+}
+
 // Sums of (a, b) over a row group: warp shuffles, then (ROW_THREADS > 32, one group per
 // block) the block's warps through shared memory. `parity` alternates row by row, so one
 // __syncthreads per row suffices (a buffer is written again only two rows later, after
@@ -335,32 +360,42 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
             VecT* dxv = reinterpret_cast<VecT*>(dxr + head);
             const VecT* dresv = reinterpret_cast<const VecT*>(dres + head);
             if (THREAD_VECS > 0) {
+                const auto second_pass = [&](auto add_c, auto dw_c, auto llama_c) {
+                    const bool ADD = add_c.value, DW = dw_c.value;
+                    const int LLAMA = llama_c.value ? kLlama : 0;
 #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    const int v = tid + i * ROW_THREADS;
-                    if (v >= n_body) continue;
-                    float wv[VEC];
-                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
-                    VecT add, o;
-                    if (add_grad) add = dresv[v];
+                    for (int i = 0; i < NV; ++i) {
+                        const int v = tid + i * ROW_THREADS;
+                        if (v >= n_body) continue;
+                        float wv[VEC];
+                        weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+                        VecT add, o;
+                        if (ADD) add = dresv[v];
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        const float dyf = to_float(kdy[i].v[e]), xf = to_float(kx[i].v[e]);
-                        o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
-                        if (weight_grad && SUMS_IN_REGISTERS)
-                            dw_acc[SUMS_IN_REGISTERS ? e : 0] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
-                        else if (weight_grad && !ONE_ROW)
-                            sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                        for (int e = 0; e < VEC; ++e) {
+                            const float dyf = to_float(kdy[i].v[e]), xf = to_float(kx[i].v[e]);
+                            o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, ADD ? to_float(add.v[e]) : 0.f);
+                            if (DW && SUMS_IN_REGISTERS)
+                                dw_acc[SUMS_IN_REGISTERS ? e : 0] += dyf * xhat_for_weight<T>(xf, inv_rms, LLAMA);
+                            else if (DW && !ONE_ROW)
+                                sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, LLAMA);
+                        }
+                        dxv[v] = o;
+                        if (DW && ONE_ROW) {
+                            float dw_row[VEC];
+#pragma unroll
+                            for (int e = 0; e < VEC; ++e)
+                                dw_row[e] = 0.f + to_float(kdy[i].v[e]) * xhat_for_weight<T>(to_float(kx[i].v[e]), inv_rms, LLAMA);
+                            out_row.put_vector<VEC>(head + v * VEC, dw_row);
+                        }
                     }
-                    dxv[v] = o;
-                    if (weight_grad && ONE_ROW) {
-                        float dw_row[VEC];
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e)
-                            dw_row[e] = 0.f + to_float(kdy[i].v[e]) * xhat_for_weight<T>(to_float(kx[i].v[e]), inv_rms, flags);
-                        out_row.put_vector<VEC>(head + v * VEC, dw_row);
-                    }
-                }
+                };
+                // one row a block: a chain of dependent instructions, not issue, is its time, and
+                // the six copies of this loop took 1 x 4096 from 2.14 to 2.19 us (run FB)
+                if constexpr (ONE_ROW)
+                    second_pass(Flag{add_grad}, Flag{weight_grad}, Flag{(flags & kLlama) != 0});
+                else
+                    with_backward_flags(flags, second_pass);
             } else {                             // streamed: re-read the row (mostly from L2)
 #pragma unroll 2
                 for (int v = tid; v < n_body; v += ROW_THREADS) {
@@ -607,12 +642,14 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         for (int i = 0; i < THREAD_VECS; ++i) {
             const int v = tid + i * ROW_THREADS;
             if (v >= n) continue;
-            const VecT a = sdy[v], b = sx[v];
+            const VecT a = sdy[v], b = sx[v];    // one 16-byte load each (unpack(sdy[v]) splits it)
+            float fdy[VEC], fx[VEC];
+            unpack(a, fdy);
+            unpack(b, fx);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-                const float xf = to_float(b.v[e]);
-                ss += xf * xf;
-                sgx += to_float(a.v[e]) * wv[i][e] * xf;
+                ss += fx[e] * fx[e];
+                sgx += fdy[e] * wv[i][e] * fx[e];
             }
         }
         row_sums<ROW_THREADS>(ss, sgx, k & 1);
@@ -624,35 +661,38 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         long long outer = r, inner = 0;
         if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
         VecT* dxv = reinterpret_cast<VecT*>(const_cast<T*>(row_of<T>(dx, p.dx, outer, inner)));
+        const auto second_pass = [&](auto add_c, auto dw_c, auto llama_c) {
+            const bool ADD = add_c.value, DW = dw_c.value;
+            const int LLAMA = llama_c.value ? kLlama : 0;
 #pragma unroll
-        for (int i = 0; i < THREAD_VECS; ++i) {
-            const int v = tid + i * ROW_THREADS;
-            if (v >= n) continue;
-            const VecT a = sdy[v], b = sx[v];
-            VecT add, o;
-            if (add_grad) add = sres[v];
+            for (int i = 0; i < THREAD_VECS; ++i) {
+                const int v = tid + i * ROW_THREADS;
+                if (v >= n) continue;
+                const VecT a = sdy[v], b = sx[v], r = ADD ? sres[v] : a;
+                float fdy[VEC], fx[VEC], fadd[VEC];
+                unpack(a, fdy);
+                unpack(b, fx);
+                unpack(r, fadd);
+                VecT o;
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const float dyf = to_float(a.v[e]), xf = to_float(b.v[e]);
-                o.v[e] = dx_of<T>(dyf, xf, wv[i][e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
-                if (weight_grad) dws[i][e] += dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                for (int e = 0; e < VEC; ++e) {
+                    o.v[e] = dx_of<T>(fdy[e], fx[e], wv[i][e], inv_rms, c, ADD ? fadd[e] : 0.f);
+                    if (DW) dws[i][e] += fdy[e] * xhat_for_weight<T>(fx[e], inv_rms, LLAMA);
+                }
+                dxv[v] = o;
             }
-            dxv[v] = o;
-        }
+        };
+        with_backward_flags(flags, second_pass);
     }
 
     if (weight_grad) {                           // this block's sums: its row of partials, or dweight
-        const bool direct = flags & kDirectWeight;
-        float* block_partials = partials + (long long)blockIdx.x * hidden;
+        // in 16-byte stores: one float at a time, a warp's store touched 32 sectors for 128
+        // bytes, and the stores' drain at the end showed in ncu's stalls (run FA)
+        const DweightRow<W> out_row{partials + (long long)blockIdx.x * hidden, dweight, (flags & kDirectWeight) != 0};
 #pragma unroll
         for (int i = 0; i < THREAD_VECS; ++i) {
             const int v = tid + i * ROW_THREADS;
-            if (v >= n) continue;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                if (direct) dweight[v * VEC + e] = from_float<W>(dws[i][e]);
-                else block_partials[v * VEC + e] = dws[i][e];
-            }
+            if (v < n) out_row.put_vector<VEC>(v * VEC, dws[i]);
         }
     }
     allow_next_kernel();
