@@ -545,6 +545,8 @@ def test_torch_module_trains_and_compiles_to_the_eager_gradients():
 @requires_torch_gpu
 def test_opcheck_with_grad():
     import torch
+
+    import cupy_rmsnorm.torch  # noqa: F401 - registers the ops (an xdist worker may run this test first)
     OPS_ = torch.ops.cupy_rmsnorm
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = _torch_data((5, 4096), dtype, 8).requires_grad_(True)

@@ -495,6 +495,8 @@ def _torch_samples():
 @requires_torch_gpu
 def test_opcheck():
     import torch
+
+    import cupy_rmsnorm.torch  # noqa: F401 - registers the ops (an xdist worker may run this test first)
     ops = torch.ops.cupy_rmsnorm
     for x, r, w, scale, group, ub, qd in _torch_samples():
         args = (w, scale, 1e-6, 0.0, "llama", group, ub, qd)
