@@ -127,6 +127,42 @@ __device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
     }
 }
 
+// A block-wide row's inv_rms and c = mean(g * xhat) from its sums (a, b) = (sum x^2, sum g * x):
+// the warps' sums meet in shared memory and warp 0 alone adds them and computes the two
+// statistics, which the block then reads back. row_sums has every warp do that last part,
+// about 45 instructions a warp and row (two butterflies, two divisions, a square root). The
+// same operations in the same order as row_sums and the lines after it: the same bits. Two
+// barriers a row, no double buffers: warp 0 reads warp_sums before the second barrier, and
+// every thread reads stats before the next row's first. `between` runs in the other warps
+// while warp 0 works.
+// Measured in the staged kernel (runs GA, GB: A/B against row_sums, benchmarks/results/
+// backward_row_stats_ab_runs_ga_gb.txt): blocks of 128 and 256 threads 0.96-0.99 of the time,
+// blocks of 512 up to 1.06 (the second barrier, with two blocks an SM, costs more than the
+// instructions it saves), hence STATS_IN_ONE_WARP_MAX_THREADS.
+constexpr int STATS_IN_ONE_WARP_MAX_THREADS = 256;
+template <int ROW_THREADS, class Between>
+__device__ __forceinline__ float2 row_stats(float a, float b, int hidden, float eps, Between&& between) {
+    static_assert(ROW_THREADS > 32, "a block-wide row");
+    constexpr int WARPS = ROW_THREADS / 32;
+    __shared__ float2 warp_sums[WARPS];
+    __shared__ float2 stats;
+    a = group_sum<ROW_THREADS>(a);
+    b = group_sum<ROW_THREADS>(b);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) warp_sums[warp] = make_float2(a, b);
+    __syncthreads();
+    if (warp == 0) {
+        const float2 s = lane < WARPS ? warp_sums[lane] : make_float2(0.f, 0.f);
+        const float ss = group_sum<32>(s.x), sgx = group_sum<32>(s.y);
+        const float inv_rms = rsqrtf(ss / (float)hidden + eps);
+        if (lane == 0) stats = make_float2(inv_rms, sgx * inv_rms / (float)hidden);
+    } else {
+        between();
+    }
+    __syncthreads();
+    return stats;
+}
+
 // Where a block's dweight sums go: its row of float32 partials, or (direct: the grid's only
 // block) dweight itself in the weight's dtype. put_vector: VEC consecutive columns from j,
 // in 16-byte stores where the address allows.
@@ -616,7 +652,7 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         if (v < n) weights_at<W, VEC>(w, v, w_vec, w_offset, flags, wv[i]);
     }
 
-    // thread 0: bring row `begin + k` into stage k % stages
+    // the producer: bring row `begin + k` into stage k % stages
     const auto issue = [&](int k) {
         const long long r = begin + k;
         long long outer = r, inner = 0;
@@ -628,7 +664,7 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         stage_copy(dst + row_bytes, row_of(x, p.x, outer, inner), row_bytes, bar);
         if (add_grad) stage_copy(dst + 2 * row_bytes, row_of(d_residual_out, p.d_residual_out, outer, inner), row_bytes, bar);
     };
-    if (tid == 0)
+    if (tid == ROW_THREADS - 32)                 // the producer: the last warp's first lane
         for (int k = 0; k < min(stages, count); ++k) issue(k);
 
     for (int k = 0; k < count; ++k) {
@@ -652,11 +688,22 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
                 sgx += fdy[e] * wv[i][e] * fx[e];
             }
         }
-        row_sums<ROW_THREADS>(ss, sgx, k & 1);
-        // every thread is past row k - 1: its stage takes row k - 1 + stages
-        if (tid == 0 && k >= 1 && k - 1 + stages < count) issue(k - 1 + stages);
-        const float inv_rms = rsqrtf(ss / (float)hidden + p.eps);
-        const float c = sgx * inv_rms / (float)hidden;     // mean(g * xhat)
+        // past the (first) barrier every thread is done with row k - 1: its stage takes row
+        // k - 1 + stages (with row_stats, issued while warp 0 finishes the statistics)
+        const auto refill = [&] {
+            if (tid == ROW_THREADS - 32 && k >= 1 && k - 1 + stages < count) issue(k - 1 + stages);
+        };
+        float inv_rms, c;                        // c = mean(g * xhat)
+        if constexpr (ROW_THREADS <= STATS_IN_ONE_WARP_MAX_THREADS) {
+            const float2 stats = row_stats<ROW_THREADS>(ss, sgx, hidden, p.eps, refill);
+            inv_rms = stats.x;
+            c = stats.y;
+        } else {
+            row_sums<ROW_THREADS>(ss, sgx, k & 1);
+            refill();
+            inv_rms = rsqrtf(ss / (float)hidden + p.eps);
+            c = sgx * inv_rms / (float)hidden;
+        }
         const long long r = begin + k;
         long long outer = r, inner = 0;
         if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }

@@ -33,7 +33,7 @@ import cupy_rmsnorm as rn
 from cupy_rmsnorm import _driver, _launcher, _plan
 
 OPS = ("rms_norm", "fused", "fused_dres")
-HIDDEN = (7, 255, 1000, 4095, 33001)     # warp groups; blocks (both widths); streamed
+HIDDEN = (7, 255, 1000, 4095, 4096, 33001)   # warp groups; blocks (both widths); 4096: staged blocks of 512; streamed
 LAYOUTS = ("contiguous", "offset_out", "strided", "heads", "mixed")
 QUICK_LAYOUTS = ("contiguous", "strided", "mixed")   # contiguous: the staged rows
 SANITIZE_SMS = 1                         # plans as for 1 SM: a few blocks, each looping over 8+ rows
