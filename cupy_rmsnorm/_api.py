@@ -283,7 +283,7 @@ def _full_call(fused, arrays, eps, weight_offset, casting_mode, signature):
     resolved = arrays
     if kind is TorchKind:
         register_torch_ops()
-        if _needs_autograd(arrays):     # autograd records the registered op, which runs this path
+        if _interop.autograd_records(arrays):   # the registered op, which runs this path
             return sys.modules["cupy_rmsnorm._torch_ops"].call(fused, arrays, eps, weight_offset, casting_mode,
                                                                differentiable=True)
         _check_torch(arrays, Arrays._fields, OUTPUTS)
@@ -371,12 +371,6 @@ def _check_torch(arrays, names, outputs=()):
             raise ValueError(f"{name} has torch's lazy negation (or conjugation) bit set, so its memory "
                              f"holds the values without the sign; pass a plain tensor "
                              f"({name}.resolve_neg() makes one)")
-
-
-def _needs_autograd(arrays):
-    """Whether autograd must see this torch call: grad mode is on and a tensor requires grad."""
-    import torch
-    return torch.is_grad_enabled() and _interop.any_requires_grad(arrays)
 
 
 def register_torch_ops():

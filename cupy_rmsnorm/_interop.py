@@ -133,10 +133,14 @@ class TorchKind:
         dt = t.dtype
         name = cls._dtype_map().get(dt) or str(dt).replace("torch.", "")
         dev = t.device
-        # an inference tensor can be written only in inference mode (torch's own rule)
-        writeable = not (t.is_inference() and not sys.modules["torch"].is_inference_mode_enabled())
         return Meta(t.data_ptr(), tuple(t.shape), tuple(t.stride()), name, t.element_size(),
-                    dev.index if dev.type == "cuda" else -1, writeable)
+                    dev.index if dev.type == "cuda" else -1, cls.writeable(t))
+
+    @staticmethod
+    def writeable(t):
+        """Whether ``t`` can be written now: an inference tensor only in inference mode
+        (torch's own rule). _torch_signature writes this out inline."""
+        return not t.is_inference() or TorchKind.inference_mode()
 
     @staticmethod
     def resolve(t, arg):
@@ -283,8 +287,7 @@ def _torch_input_key(t):
 
 
 def _torch_output_key(t):
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.is_neg(),
-            not t.is_inference() or TorchKind.inference_mode())
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.is_neg(), TorchKind.writeable(t))
 
 
 def any_requires_grad(arrays):
@@ -295,16 +298,22 @@ def any_requires_grad(arrays):
     return False
 
 
+def autograd_records(arrays):
+    """Whether autograd must record a torch call of ``arrays``: grad mode is on and a tensor
+    requires grad. _torch_signature writes this out inline."""
+    return TorchKind.grad_enabled() and any_requires_grad(arrays)
+
+
 def _torch_signature(fused, arrays, eps, weight_offset, casting_mode):
     x, r, w, o, ro = arrays
     try:    # anything but a tensor (a CuPy array in the mix, say) fails an attribute here
         return (TorchKind, fused, eps, weight_offset, casting_mode,
-                TorchKind.grad_enabled() and any_requires_grad(arrays),
+                TorchKind.grad_enabled() and any_requires_grad(arrays),       # autograd_records, inline
                 x.shape, x.stride(), x.dtype, x.get_device(), x.is_neg(),
                 None if r is None else (r.shape, r.stride(), r.dtype, r.get_device(), r.is_neg()),
                 None if w is None else (w.shape, w.stride(), w.dtype, w.get_device(), w.is_neg()),
                 None if o is None else (o.shape, o.stride(), o.dtype, o.get_device(), o.is_neg(),
-                                        not o.is_inference() or TorchKind.inference_mode()),
+                                        not o.is_inference() or TorchKind.inference_mode()),   # writeable
                 None if ro is None else (ro.shape, ro.stride(), ro.dtype, ro.get_device(), ro.is_neg(),
                                          not ro.is_inference() or TorchKind.inference_mode()))
     except (AttributeError, TypeError, RuntimeError):   # RuntimeError: a sparse tensor's strides

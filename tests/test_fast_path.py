@@ -59,6 +59,7 @@ def test_torch_signature_is_the_per_tensor_keys():
         inputs = [None if t is None else _interop._torch_input_key(t) for t in rest[:2]]
         outputs = [None if t is None else _interop._torch_output_key(t) for t in rest[2:]]
         autograd = any(t is not None and t.requires_grad for t in arrays)     # grad mode is on here
+        assert _interop.autograd_records(arrays) is autograd
         assert key == (_interop.TorchKind, fused, 1e-6, 0.0, "fp32", autograd, *_interop._torch_input_key(a),
                        *inputs, *outputs)
         keys.add(key)
@@ -84,8 +85,12 @@ def test_torch_signature_holds_the_modes():
         assert key(x, None, w, inference_out) == key(x, None, w, o)    # both writeable here
     assert key(x, None, w, inference_out) != key(x, None, w, o)        # not the inference tensor here
     assert _interop._torch_output_key(inference_out)[-1] is False
+    assert _interop.TorchKind.meta(inference_out).writeable is False
     with torch.inference_mode():
         assert _interop._torch_output_key(inference_out)[-1] is True
+        assert _interop.TorchKind.meta(inference_out).writeable is True
+    with torch.no_grad():
+        assert _interop.autograd_records((x, None, w, None, None)) is False
 
 
 def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared():
