@@ -127,6 +127,13 @@ __device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
     }
 }
 
+// A row's inv_rms and c = mean(g * xhat) from its sums (sum x^2, sum g * x): the one formula
+// every backward kernel uses.
+__device__ __forceinline__ float2 row_statistics(float ss, float sgx, int hidden, float eps) {
+    const float inv_rms = rsqrtf(ss / (float)hidden + eps);
+    return make_float2(inv_rms, sgx * inv_rms / (float)hidden);
+}
+
 // A block-wide row's inv_rms and c = mean(g * xhat) from its sums (a, b) = (sum x^2, sum g * x):
 // the warps' sums meet in shared memory and warp 0 alone adds them and computes the two
 // statistics, which the block then reads back. row_sums has every warp do that last part,
@@ -154,8 +161,7 @@ __device__ __forceinline__ float2 row_stats(float a, float b, int hidden, float 
     if (warp == 0) {
         const float2 s = lane < WARPS ? warp_sums[lane] : make_float2(0.f, 0.f);
         const float ss = group_sum<32>(s.x), sgx = group_sum<32>(s.y);
-        const float inv_rms = rsqrtf(ss / (float)hidden + eps);
-        if (lane == 0) stats = make_float2(inv_rms, sgx * inv_rms / (float)hidden);
+        if (lane == 0) stats = row_statistics(ss, sgx, hidden, eps);
     } else {
         between();
     }
@@ -374,8 +380,8 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
         }
         row_sums<ROW_THREADS>(ss, sgx, parity);
         if (active) {
-            const float inv_rms = rsqrtf(ss / (float)hidden + p.eps);
-            const float c = sgx * inv_rms / (float)hidden;     // mean(g * xhat)
+            const float2 stats = row_statistics(ss, sgx, hidden, p.eps);
+            const float inv_rms = stats.x, c = stats.y;        // c = mean(g * xhat)
             // streamed rows: the first row of the block writes its partials, later ones add
             const bool first_row = THREAD_VECS == 0 && row == begin;
             if (has_head) {
@@ -693,17 +699,15 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         const auto refill = [&] {
             if (tid == ROW_THREADS - 32 && k >= 1 && k - 1 + stages < count) issue(k - 1 + stages);
         };
-        float inv_rms, c;                        // c = mean(g * xhat)
+        float2 stats;
         if constexpr (ROW_THREADS <= STATS_IN_ONE_WARP_MAX_THREADS) {
-            const float2 stats = row_stats<ROW_THREADS>(ss, sgx, hidden, p.eps, refill);
-            inv_rms = stats.x;
-            c = stats.y;
+            stats = row_stats<ROW_THREADS>(ss, sgx, hidden, p.eps, refill);
         } else {
             row_sums<ROW_THREADS>(ss, sgx, k & 1);
             refill();
-            inv_rms = rsqrtf(ss / (float)hidden + p.eps);
-            c = sgx * inv_rms / (float)hidden;
+            stats = row_statistics(ss, sgx, hidden, p.eps);
         }
+        const float inv_rms = stats.x, c = stats.y;        // c = mean(g * xhat)
         const long long r = begin + k;
         long long outer = r, inner = 0;
         if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
