@@ -1,15 +1,18 @@
-"""Backward A/B: the GPU time of two library trees on one machine, in alternating processes.
+"""A/B: the GPU time of two library trees on one machine, in alternating processes.
 
-    PYTHONPATH=$PWD python3 benchmarks/ab_backward.py --base OLD_TREE [--rounds 2] [--shapes 4096x4096,...]
+    PYTHONPATH=$PWD python3 benchmarks/ab_trees.py --base OLD_TREE [--rounds 2] [--shapes 4096x4096,...]
         [--dtypes bfloat16,float16] [--ops rms,fused] [--out FILE]
 
 A is the library in OLD_TREE (a checkout or `git archive` of it), B the one this script sits in.
 Processes run A B A B ... (``--rounds`` pairs), each pinned to one CPU and importing one tree;
 each times every case in graph mode (CALLS calls captured in a CUDA graph, the median of
-REPEATS replays). rms: ``rms_norm_backward(dy, x, w)``; fused:
-``fused_add_rms_norm_backward(dy, d_residual_out, s, w)``; weight of x's dtype. Per case it
-prints A's and B's times (one per round), B / A of the medians, each side's plan, and whether
-dx and dweight have the same bits on both sides (a SHA-256 of their bytes).
+REPEATS replays). The backward: rms ``rms_norm_backward(dy, x, w)``, fused
+``fused_add_rms_norm_backward(dy, d_residual_out, s, w)``. The quantized forms (FP8 e4m3):
+``q:static``, ``q:per_token``, ``q:per_group`` for ``rms_norm_quant(x, w)`` and ``fq:...`` for
+``fused_add_rms_norm_quant(x, r, w, residual_out=r)`` (in place, as serving runs it). Weight of
+x's dtype. Per case it prints A's and B's times (one per round), B / A of the medians, each
+side's plan, and whether the outputs have the same bits on both sides (a SHA-256 of their
+bytes: dx and dweight; q and the scales).
 """
 
 import argparse
@@ -37,6 +40,23 @@ def worker(shapes, dtypes, ops):
     from cupy_rmsnorm.bench.shapes import shape_list
 
     rng = cp.random.default_rng(0)
+    scale = cp.full((1,), 0.02, dtype=cp.float32)
+
+    def call(op, x, dy, dres, w):
+        """(the timed call, the call whose outputs are hashed, how plans are recorded)"""
+        if op in ("rms", "fused"):
+            fn = (lambda: rn.rms_norm_backward(dy, x, w)) if op == "rms" else \
+                (lambda: rn.fused_add_rms_norm_backward(dy, dres, x, w))
+            return fn, fn, _launcher.forced_backward_plan
+        kind, form = op.split(":")
+        kw = {"scale": scale} if form == "static" else {"group_size": 128} if form == "per_group" else {}
+        if kind == "q":
+            fn = lambda: rn.rms_norm_quant(x, w, **kw)  # noqa: E731
+            return fn, fn, _launcher.forced_plan
+        r = dres.copy()     # updated in place by every call; the hashed call starts from dres
+        fn = lambda: rn.fused_add_rms_norm_quant(x, r, w, residual_out=r, **kw)  # noqa: E731
+        return fn, lambda: rn.fused_add_rms_norm_quant(x, dres.copy(), w, **kw), _launcher.forced_plan
+
     for dtype in dtypes:
         dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
         for rows, hidden in shape_list(shapes):
@@ -44,14 +64,11 @@ def worker(shapes, dtypes, ops):
             x, dy, dres = make(), make(), make()
             w = (1 + 0.1 * rng.standard_normal(hidden, dtype=cp.float32)).astype(dt)
             for op in ops:
-                if op == "rms":
-                    fn = lambda: rn.rms_norm_backward(dy, x, w)  # noqa: E731
-                else:
-                    fn = lambda: rn.fused_add_rms_norm_backward(dy, dres, x, w)  # noqa: E731
+                fn, hashed, recording = call(op, x, dy, dres, w)
                 plans = []
-                with _launcher.forced_backward_plan(record=plans):
-                    dx, dw = fn()
-                digest = hashlib.sha256(cp.asnumpy(dx).tobytes() + cp.asnumpy(dw).tobytes()).hexdigest()[:16]
+                with recording(record=plans):
+                    outs = hashed()
+                digest = hashlib.sha256(b"".join(cp.asnumpy(o).tobytes() for o in outs)).hexdigest()[:16]
                 us = timing.graph_us(fn, CALLS, REPEATS)
                 print(json.dumps({"case": f"{dtype} {op} {rows}x{hidden}", "us": us, "bits": digest,
                                   "plan": str(plans[-1]) if plans else ""}), flush=True)
@@ -59,7 +76,7 @@ def worker(shapes, dtypes, ops):
 
 def run_side(tree, args, cpu):
     env = dict(os.environ, PYTHONPATH=tree, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, os.path.join(HERE, "ab_backward.py"), "--worker", "--shapes", args.shapes,
+    cmd = [sys.executable, os.path.join(HERE, "ab_trees.py"), "--worker", "--shapes", args.shapes,
            "--dtypes", args.dtypes, "--ops", args.ops]
     if hasattr(os, "sched_setaffinity"):
         cmd = ["taskset", "-c", str(cpu)] + cmd
@@ -75,7 +92,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--dtypes", default="bfloat16,float16")
-    ap.add_argument("--ops", default="rms,fused")
+    ap.add_argument("--ops", default="rms,fused", help="rms, fused, q:FORM, fq:FORM")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
