@@ -61,8 +61,9 @@ def quant_instantiation_name(dtype, weight_dtype, fused, plan, form, quant_dtype
     QUANT_TYPES key) a LaunchPlan needs."""
     args = ", ".join(str(a) for a in plan.template_args())
     kernel = "rms_norm_quant_cluster_kernel" if plan.cluster > 1 else "rms_norm_quant_kernel"
+    flat = "" if plan.cluster > 1 else ", true" if plan.flat else ", false"     # FLAT: not with clusters
     return (f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, "
-            f"{'true' if fused else 'false'}, {args}, {QUANT_FORMS[form]}, {QUANT_TYPES[quant_dtype]}>")
+            f"{'true' if fused else 'false'}, {args}, {QUANT_FORMS[form]}, {QUANT_TYPES[quant_dtype]}{flat}>")
 
 
 def backward_instantiation_name(dtype, weight_dtype, plan):

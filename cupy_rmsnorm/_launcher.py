@@ -27,7 +27,7 @@ from . import _driver
 from ._compile import (backward_instantiation_name, instantiation_name, kernel_cache, quant_instantiation_name,
                        reduce_instantiation_name)
 from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, SCALE, SCALES, WEIGHT, X, new_scales
-from ._plan import backward_plan, early_trigger, launch_plan, vector_width_from_bits
+from ._plan import backward_plan, early_trigger, fits_32_bit_offsets, launch_plan, vector_width_from_bits
 
 # kernels/rms_norm.cu: enum Flags and struct Params (eight-byte fields first, no padding;
 # the kernel asserts the same size, and a CPU test reads both sides).
@@ -86,7 +86,7 @@ def clear_cache():
 @contextlib.contextmanager
 def forced_plan(record=None, **overrides):
     """Within the block, every new plan gets ``overrides`` as launch_plan keyword arguments
-    (threads_per_row=, vecs_per_thread=, cluster=) and is appended to ``record`` if given.
+    (threads_per_row=, vecs_per_thread=, cluster=, flat=) and is appended to ``record`` if given.
     The cache is cleared on entry and exit, so calls plan anew. For tests and sweeps."""
     global _plan_record
     saved = dict(_plan_overrides), _plan_record
@@ -117,6 +117,7 @@ class Launcher:
     """Launches one call signature; see the module docstring."""
 
     quant_form = None      # QuantLauncher: the quantized form its plans are made for
+    flat = False           # QuantLauncher: whether its rows fit 32-bit offsets (fits_32_bit_offsets)
 
     def __init__(self, layout, scalars, kind):
         self.kind, self.layout, self.fused = kind, layout, layout.fused
@@ -184,7 +185,8 @@ class Launcher:
         if entry is None:
             d = self.device
             plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, self.fused,
-                               edges=edges, max_cluster=d.max_cluster, quant=self.quant_form, **_plan_overrides)
+                               edges=edges, max_cluster=d.max_cluster, quant=self.quant_form,
+                               **{"flat": self.flat, **_plan_overrides})
             if _plan_record is not None:
                 _plan_record.append(plan)
             entry = self._by_vec[(vec, edges)] = (plan, self.function(plan))
@@ -317,6 +319,10 @@ class QuantLauncher(Launcher):
         qp = np.zeros(1, QUANT_PARAMS_DTYPE)
         (qp["scales_row"], qp["scales_group"]), qp["scale_ub"] = layout.scales_strides, spec.scale_ub
         self.quant_params = qp
+        params = self.params[0]
+        self.flat = fits_32_bit_offsets(self.rows, self.hidden, int(params["n_inner"]),
+                                        [int(params[_ROW_STRIDE_FIELDS[k]][0]) for k in _ROW_STRIDE_FIELDS],
+                                        layout.scales_strides, layout.scales_shape[-1])
         self._slots = bytearray(8 * 7)
         self._slots_base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
         shape, q_dtype = layout.call.shape, kind.quant_storage(spec.quant_dtype)

@@ -31,6 +31,11 @@ ONE_BLOCK_VECTORS = 512    # few rows longer than this get a cluster of blocks e
 CLUSTER_MIN_VECTORS = 128  # ... as large as fits one wave, each block keeping at least this many
 MAX_CLUSTER = 8            # the portable cluster size limit
 CLUSTER_MIN_MAJOR = 9      # thread-block clusters: sm_90 and later
+# The quantized kernels' 32-bit row offsets (FLAT): fewer instructions a row, measured 0.90-0.96 of
+# the time at 256 x 4096 and 0.93-1.00 past it, but 1.00-1.07 at one row a call (where the 64-bit
+# index work before the wait for the previous kernel was hidden): only for grids of more blocks
+# than SMs; and not for the fused per-token form, 0.97-1.05 (launch_plan; benchmarks/NOTES.md 29).
+FLAT_OFFSET_LIMIT = 2 ** 31
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -48,6 +53,7 @@ class LaunchPlan:
       size that is not a multiple of vec); False compiles the kernel without them.
     cluster: blocks per row (a thread-block cluster reducing through distributed shared
       memory, sm_90); 1 otherwise.
+    flat: the quantized kernel addresses rows with 32-bit offsets (launch_plan says where).
     rows_per_block, block, grid: the launch geometry (grid counts blocks; grid_dims()
       lays them out).
     """
@@ -61,6 +67,7 @@ class LaunchPlan:
     grid: int
     edges: bool = True
     cluster: int = 1
+    flat: bool = False
 
     def template_args(self):
         """The kernel template's arguments after <T, W, FUSED>: VEC, G, NV, EDGES (and C)."""
@@ -156,8 +163,22 @@ def early_trigger(grid, sm_count, blocks_per_sm):
     return grid <= sm_count or grid >= blocks_per_sm * sm_count
 
 
+def fits_32_bit_offsets(rows, hidden, n_inner, outer_strides, scales_strides=(0, 0), groups=1):
+    """Whether every row of a call is reached with 32-bit offsets, the FLAT quantized kernels'
+    arithmetic (kernels/rms_norm.cu, row_offset): one row stride per array (``n_inner == 1``;
+    ``outer_strides`` in elements, one per array) and every offset a row reaches, ``(rows - 1)
+    * |stride| + hidden`` (the scales: ``(rows - 1) * |row| + (groups - 1) * |group|``), below
+    2**31."""
+    if n_inner != 1:
+        return False
+    last = max(rows - 1, 0)
+    scales_row, scales_group = scales_strides
+    return (all(last * abs(s) + hidden < FLAT_OFFSET_LIMIT for s in outer_strides)
+            and last * abs(scales_row) + (groups - 1) * abs(scales_group) < FLAT_OFFSET_LIMIT)
+
+
 def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=True, max_cluster=1,
-                threads_per_row=None, vecs_per_thread=None, cluster=None, quant=None):
+                threads_per_row=None, vecs_per_thread=None, cluster=None, quant=None, flat=False):
     """Choose the variant and geometry for ``rows`` rows of ``hidden`` elements.
 
     With n = ceil(hidden / vec) vectors per row, a partial last one included (group_and_cluster):
@@ -178,7 +199,10 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
     canonical summation tree splits the row in powers of two), covering the row. ``quant``:
     the quantized output form (QUANT_FORMS), the same geometry but for "per_token" in blocks
     of 512+ threads (MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK); "per_group" needs rows of
-    whole vectors (edges=False) and whole groups.
+    whole vectors (edges=False) and whole groups. ``flat``: the call fits 32-bit offsets
+    (fits_32_bit_offsets); the quantized kernel then takes them where its blocks outnumber the
+    SMs and a row has a block (or a group) of its own, not a cluster, but for the fused
+    per-token form (FLAT_OFFSET_LIMIT's note).
     """
     if rows < 0 or hidden < 1 or vec < 1 or sm_count < 1:
         raise ValueError("launch_plan needs rows >= 0, hidden >= 1, vec >= 1, sm_count >= 1")
@@ -212,8 +236,9 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
     grid = max(1, _ceil_div(rows, rows_per_block)) * c
     if grid > GRID_ROW * MAX_GRID_Y:
         raise ValueError(f"x has too many rows for one launch ({rows})")
+    flat = bool(flat) and quant is not None and not (fused and quant == "per_token") and c == 1 and grid > sm_count
     return LaunchPlan("registers" if nv else "stream", vec, g, nv, rows_per_block, g * rows_per_block, grid,
-                      bool(edges), c)
+                      bool(edges), c, flat)
 
 
 # -- backward --------------------------------------------------------------------------------

@@ -105,6 +105,14 @@ struct Params {
 };
 static_assert(sizeof(Params) == 96, "Params: 96 bytes, as cupy_rmsnorm/_launcher.py packs it");
 
+// A row's first element: (outer, inner) in 64-bit arithmetic, or with FLAT (the launcher's
+// promise: n_inner == 1 and every offset of the call's arrays under 2^31) one 32-bit multiply.
+template <bool FLAT>
+__device__ __forceinline__ long long row_offset(long long outer, long long inner, const RowStrides& s) {
+    if (FLAT) return (int)outer * (int)s.outer;
+    return outer * s.outer + inner * s.inner;
+}
+
 // Sum over the LANES lanes of a group (a power of two; at most a warp's 32 take part).
 template <int LANES>
 __device__ __forceinline__ float group_sum(float v) {
@@ -688,7 +696,7 @@ __device__ __forceinline__ void with_tail(const Row& row, F&& f) {
 
 // The quantized output stage of one row (or a cluster block's share of it): scales, then q.
 // qr, row_scales: the row's q and its scales (dynamic forms); rank: the block's in its cluster.
-template <int VEC, int ROW_THREADS, int THREAD_VECS, int CLUSTER, bool EDGES, int FORM, int QTYPE, class Row>
+template <int VEC, int ROW_THREADS, int THREAD_VECS, int CLUSTER, bool EDGES, int FORM, int QTYPE, bool FLAT, class Row>
 __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* qr, float* row_scales,
                                                 float static_scale, const QuantArgs& quant, int rank) {
     using QVec = Pack<unsigned char, VEC>;
@@ -702,6 +710,10 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
         constexpr int SPAN = GROUP / LANES;
         static_assert(SPAN == 1 || (CLUSTER == 1 && THREAD_VECS % SPAN == 0), "a group: one block's k-runs");
         const float ub = quant.p.scale_ub;
+        const long long group_stride = quant.p.scales_group;    // the scale of the group of vector v:
+        const auto group_at = [&](int v) {
+            return FLAT ? (int)(v / GROUP) * (int)group_stride : (v / GROUP) * group_stride;
+        };
         if constexpr (THREAD_VECS > 0) {
 #pragma unroll
             for (int k0 = 0; k0 < THREAD_VECS; k0 += SPAN) {
@@ -720,7 +732,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
                 const int v0 = row.first + k0 * row.step;  // whole groups: all of it is there, or none
                 if (v0 < row.n_body) {
                     const float s = dynamic_scale<QTYPE>(m, ub);
-                    if (v0 % GROUP == 0) row_scales[(v0 / GROUP) * quant.p.scales_group] = s;
+                    if (v0 % GROUP == 0) row_scales[group_at(v0)] = s;
                     const float inv = 1.0f / s;
 #pragma unroll
                     for (int j = 0; j < SPAN; ++j) qv[v0 + j * row.step] = quantize_vec<QTYPE, VEC>(y[j], inv);
@@ -740,7 +752,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
                 m = lanes_max<LANES, ROW_THREADS>(m);
                 if (v < row.n_body) {
                     const float s = dynamic_scale<QTYPE>(m, ub);
-                    if (v % GROUP == 0) row_scales[(v / GROUP) * quant.p.scales_group] = s;
+                    if (v % GROUP == 0) row_scales[group_at(v)] = s;
                     qv[v] = quantize_vec<QTYPE, VEC>(y, 1.0f / s);
                 }
             }
@@ -798,7 +810,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
 // without it every row is whole vectors, a compile-time fact that saves registers.
 // FORM != kPlain: the output is quant.q (QTYPE bytes, at out's row strides), not y.
 template <typename T, typename W, bool FUSED, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int CLUSTER,
-          int FORM = kPlain, int QTYPE = kE4M3>
+          int FORM = kPlain, int QTYPE = kE4M3, bool FLAT = false>
 __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_out, const W* w,
                                          const Params& p, long long block_id, int rank,
                                          const QuantArgs& quant = QuantArgs()) {
@@ -823,11 +835,11 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     const bool active = row < p.rows;            // false only in the last block of small groups
     const long long r = active ? row : 0;
     long long outer = r, inner = 0;
-    if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
-    const T* xr = x + outer * p.x.outer + inner * p.x.inner;
-    const T* rr = FUSED ? res + outer * p.residual.outer + inner * p.residual.inner : nullptr;
-    T* yr = y + outer * p.out.outer + inner * p.out.inner;
-    T* ror = FUSED ? res_out + outer * p.residual_out.outer + inner * p.residual_out.inner : nullptr;
+    if (!FLAT && p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+    const T* xr = x + row_offset<FLAT>(outer, inner, p.x);
+    const T* rr = FUSED ? res + row_offset<FLAT>(outer, inner, p.residual) : nullptr;
+    T* yr = y + row_offset<FLAT>(outer, inner, p.out);
+    T* ror = FUSED ? res_out + row_offset<FLAT>(outer, inner, p.residual_out) : nullptr;
 
     // Head: elements before x's row reaches a 16-byte boundary (all arrays share that
     // alignment pattern, the launcher made sure); tail: what is left after the last whole
@@ -870,8 +882,9 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
 
     // q (out's row strides) and the row's scales: their addresses here, not at the end of the
     // row, where the compiler recomputed the row's index from the thread's for them (run AC)
-    unsigned char* const qr = FORM != kPlain ? quant.q + outer * p.out.outer + inner * p.out.inner : nullptr;
-    float* const row_scales = FORM == kPerToken || FORM == kPerGroup ? quant.scales + r * quant.p.scales_row : nullptr;
+    unsigned char* const qr = FORM != kPlain ? quant.q + row_offset<FLAT>(outer, inner, p.out) : nullptr;
+    float* const row_scales = FORM == kPerToken || FORM == kPerGroup
+        ? quant.scales + (FLAT ? (int)r * (int)quant.p.scales_row : r * quant.p.scales_row) : nullptr;
     wait_for_previous_kernel();                  // no global memory access before this
     if (flags & kEarlyTrigger) allow_next_kernel();
     const float static_scale = FORM == kStatic ? *quant.scale : 0.f;   // issued early, used at the end
@@ -1001,8 +1014,8 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
         const RowState<T, W, VEC, THREAD_VECS, PREFETCH_W> row{
             keep, wk, FUSED ? ror : xr, w, head, n_body, first, STEP, tail_at, tail, tid, has_head, has_tail, w_vec,
             prefetch_w, head_x, head_w, w_offset, flags, inv_rms};
-        store_quantized<VEC, ROW_THREADS, THREAD_VECS, CLUSTER, EDGES, FORM, QTYPE>(row, qr, row_scales,
-                                                                                    static_scale, quant, rank);
+        store_quantized<VEC, ROW_THREADS, THREAD_VECS, CLUSTER, EDGES, FORM, QTYPE, FLAT>(row, qr, row_scales,
+                                                                                          static_scale, quant, rank);
         return;
     }
 
@@ -1059,14 +1072,23 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
 }
 
 // The quantized forms: q (QTYPE bytes) at out's row strides instead of y; kernels/rms_norm.cu's
-// QuantForm says which scales. The launch geometry is the plain kernel's.
-template <typename T, typename W, bool FUSED, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int FORM, int QTYPE>
+// QuantForm says which scales. The launch geometry is the plain kernel's; FLAT: rows at 32-bit
+// offsets (row_offset; LaunchPlan.flat says where). The per-token form on the vector grid keeps
+// its row's y in registers (KEEP_Y): in a block of 64-256 threads a row it is held to 48
+// registers (10 blocks of 128 an SM; at 55-63 registers, 8), which costs a spill of up to 12
+// bytes and measured faster (benchmarks/NOTES.md 29).
+template <int FORM, bool EDGES, int ROW_THREADS>
+constexpr int quant_min_blocks_of_256() { return FORM == kPerToken && !EDGES && ROW_THREADS > 32 ? 5 : 3; }
+
+template <typename T, typename W, bool FUSED, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int FORM,
+          int QTYPE, bool FLAT>
 __global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256,
-                                  ROW_THREADS > 256 ? 1024 / ROW_THREADS : 3)
+                                  ROW_THREADS > 256 ? 1024 / ROW_THREADS
+                                                    : quant_min_blocks_of_256<FORM, EDGES, ROW_THREADS>())
 rms_norm_quant_kernel(const T* x, const T* res, unsigned char* q, T* res_out, const W* w, const float* scale,
                       float* scales, const Params p, const QuantParams qp) {
     static_assert(FORM != kPlain && (FORM != kPerGroup || !EDGES), "a quantized form; groups: whole vectors");
-    norm_row<T, W, FUSED, VEC, ROW_THREADS, THREAD_VECS, EDGES, 1, FORM, QTYPE>(
+    norm_row<T, W, FUSED, VEC, ROW_THREADS, THREAD_VECS, EDGES, 1, FORM, QTYPE, FLAT>(
         x, res, nullptr, res_out, w, p, linear_block(), 0, QuantArgs{q, scale, scales, qp});
     if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
 }

@@ -7,7 +7,8 @@ for sm_90; for sm_80 (no clusters; FP8 conversions in software) every fourth of 
 ``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every (plan, form) with every quant dtype. The
 heaviest register variants (most vectors per thread for each block size, full width, with
 edges) are also compiled with ptxas -v at the library's own options: they must not spill
-(the per-token form's plan rule is there for that).
+(the per-token form's plan rule is there for that), but for the per-token form on the vector
+grid in a block of 64-256 threads a row, held to 48 registers (a spill of up to 16 bytes allowed).
 """
 
 import functools
@@ -31,7 +32,7 @@ KERNEL_SYMBOL = re.compile(rb"_ZN7rmsnorm\d+rms_norm_quant\w+")
 @functools.cache
 def quant_plans(dtype, fused, form):
     """Every distinct plan the launcher makes for a quantized form over HIDDEN_SIZES (the
-    per-group form: hidden sizes of whole groups, rows of whole vectors)."""
+    per-group form: hidden sizes of whole groups, rows of whole vectors), 32-bit offsets or not."""
     plans = {}
     for vec in VECS[dtype]:
         for h in HIDDEN_SIZES:
@@ -39,9 +40,10 @@ def quant_plans(dtype, fused, form):
                 continue
             for rows in ROWS:
                 for edges in ((False,) if form == "per_group" else (True, False) if h % vec == 0 else (True,)):
-                    p = launch_plan(rows, h, ITEMSIZE[dtype], vec, SMS, fused, edges=edges,
-                                    max_cluster=MAX_CLUSTER, quant=form)
-                    plans.setdefault(p.template_args(), p)
+                    for flat in (False, True):
+                        p = launch_plan(rows, h, ITEMSIZE[dtype], vec, SMS, fused, edges=edges,
+                                        max_cluster=MAX_CLUSTER, quant=form, flat=flat)
+                        plans.setdefault((p.template_args(), p.flat), p)
     return plans
 
 
@@ -50,8 +52,9 @@ def _mangled(dtype, weight, fused, plan, form, quant_dtype):
     kernel = name.split("<")[0].split("::")[-1]
     t, w = CUDA_TYPES[dtype], CUDA_TYPES[weight]
     w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"
+    flat = () if plan.cluster > 1 else ("true" if plan.flat else "false",)
     ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E"
-                   for a in plan.template_args() + (QUANT_FORMS[form], QUANT_TYPES[quant_dtype]))
+                   for a in plan.template_args() + (QUANT_FORMS[form], QUANT_TYPES[quant_dtype]) + flat)
     return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}EE".encode()
 
 
@@ -106,15 +109,25 @@ def test_quant_instantiations_compile(compiled, arch, dtype):
         _check(compiled[(arch, dtype, i)], chunk)
 
 
+def _form_and_type(name):
+    """(FORM, QTYPE) of an instantiation name: its last arguments, or before FLAT where it has one."""
+    args = name[:-1].split(", ")
+    return tuple(args[-2:] if "cluster" in name else args[-3:-1])
+
+
 def test_the_set_covers_every_form_and_plan_kind():
     for dtype in CUDA_TYPES:
         names = [e for e, _ in instantiations(dtype)]
         for fused in (False, True):
             for form, code in QUANT_FORMS.items():
-                kinds = {plan_kind(p) for p in quant_plans(dtype, fused, form).values()}
+                plans = quant_plans(dtype, fused, form).values()
+                kinds = {plan_kind(p) for p in plans}
                 assert kinds == {"warp group", "block", "stream", "block cluster", "stream cluster"}, (form, kinds)
-                assert any(f"{'true' if fused else 'false'}, " in e and e.endswith(f", {code}, 0>") for e in names)
-        assert {e.rsplit(", ", 1)[1] for e in names} == {f"{c}>" for c in QUANT_TYPES.values()}
+                assert {p.flat for p in plans} == ({False} if fused and form == "per_token" else {False, True})
+                assert any(f"{'true' if fused else 'false'}, " in e and _form_and_type(e) == (str(code), "0")
+                           for e in names)
+        assert {_form_and_type(e)[1] for e in names} == {str(c) for c in QUANT_TYPES.values()}
+        assert {e.rsplit(", ", 1)[1] for e in names if "cluster" not in e} == {"false>", "true>"}
 
 
 def test_per_group_plans_keep_groups_in_a_block():
@@ -142,7 +155,7 @@ def heaviest(dtype, fused, form):
     best = {}
     for p in quant_plans(dtype, fused, form).values():
         if p.variant == "registers" and p.vec == max(VECS[dtype]):
-            key = (plan_kind(p), register_budget(p))
+            key = (plan_kind(p), register_budget(p), p.flat)
             if key not in best or (p.vecs_per_thread, p.edges) > (best[key].vecs_per_thread, best[key].edges):
                 best[key] = p
     return list(best.values())
@@ -166,3 +179,35 @@ def test_register_variants_do_not_spill():
         spills = [s for part in pool.map(_spills, _chunks(names, 12)) for s in part]
     assert len(spills) == len(names)
     assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]
+
+
+def test_per_token_on_the_vector_grid_is_held_to_48_registers():
+    """kernels/rms_norm.cu's quant_min_blocks_of_256: the per-token form without edges in a
+    block of 64-256 threads a row (its y kept in registers) compiles to at most 48 registers,
+    so 10 blocks of 128 share an SM, with at most 16 bytes of spill (up to 12 seen; measured
+    faster, benchmarks/NOTES.md 29). Its heaviest plans, weights of x's dtype and float32."""
+    import concurrent.futures
+    names = set()
+    for dtype in CUDA_TYPES:
+        for fused in (False, True):
+            best = {}
+            for p in quant_plans(dtype, fused, "per_token").values():
+                if (p.variant == "registers" and not p.edges and 32 < p.threads_per_row <= 256
+                        and p.vec == max(VECS[dtype])):
+                    if p.block not in best or p.vecs_per_thread > best[p.block].vecs_per_thread:
+                        best[p.block] = p
+            names |= {quant_instantiation_name(dtype, w, fused, p, "per_token", "float8_e4m3fn")
+                      for p in best.values() for w in (dtype, "float32")}
+    assert any("128, 4" in n for n in names), sorted(names)    # the 4096-wide rows' plan is there
+
+    def used(chunk):
+        log = []
+        _compile.compile_offline(chunk, "sm_90", "forward", ("-Xptxas=-v",), log)
+        text = log[0].replace("\0", "")
+        return re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
+                          text, re.S)
+
+    with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+        found = [f for part in pool.map(used, _chunks(sorted(names), 12)) for f in part]
+    assert len(found) == len(names)
+    assert all(int(regs) <= 48 and int(spill) <= 16 for _, spill, regs in found), found

@@ -443,6 +443,32 @@ def test_same_bits_every_call_and_on_the_fast_path():
             assert cp.array_equal(q, runs[0][0]) and cp.array_equal(s, runs[0][1])
 
 
+
+@pytest.mark.parametrize("form", FORMS)
+def test_32_bit_offsets_give_the_same_bits(form):
+    """Contiguous rows, more blocks than SMs: the plan takes 32-bit offsets (LaunchPlan.flat; not
+    the fused per-token form); forced to the 64-bit arithmetic, the same call writes the same
+    bytes. Per-head rows (n_inner 2) do not take them."""
+    from cupy_rmsnorm import _launcher
+    rng = np.random.default_rng(7)
+    x = to_device(rng.standard_normal((1024, 4096)).astype(ml_dtypes.bfloat16))
+    r = to_device(rng.standard_normal((1024, 4096)).astype(ml_dtypes.bfloat16))
+    w = to_device((1 + 0.1 * rng.standard_normal(4096)).astype(ml_dtypes.bfloat16))
+    heads = to_device(rng.standard_normal((512, 4, 4096)).astype(ml_dtypes.bfloat16))[:, 1:3]
+    kw = {"static": {"scale": cp.full((1,), 0.02, cp.float32)}, "per_token": {}, "per_group": {"group_size": 128}}[form]
+    calls = ((lambda: rn.rms_norm_quant(x, w, **kw), True),
+             (lambda: rn.fused_add_rms_norm_quant(x, r, w, **kw), form != "per_token"),
+             (lambda: rn.rms_norm_quant(heads, w, **kw), False))
+    for call, flat in calls:
+        plans, forced = [], []
+        with _launcher.forced_plan(record=plans):
+            default = [cp.asnumpy(o).view(np.uint8) for o in call()]
+        with _launcher.forced_plan(record=forced, flat=False):
+            wide = [cp.asnumpy(o).view(np.uint8) for o in call()]
+        assert [p.flat for p in plans] == [flat] and [p.flat for p in forced] == [False]
+        assert len(default) == len(wide) and all(np.array_equal(a, b) for a, b in zip(default, wide))
+
+
 # -- torch -----------------------------------------------------------------------------------
 
 def _torch_inputs(shape, dtype, seed=0):
