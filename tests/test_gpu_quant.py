@@ -443,7 +443,6 @@ def test_same_bits_every_call_and_on_the_fast_path():
             assert cp.array_equal(q, runs[0][0]) and cp.array_equal(s, runs[0][1])
 
 
-
 @pytest.mark.parametrize("form", FORMS)
 def test_32_bit_offsets_give_the_same_bits(form):
     """Contiguous rows, more blocks than SMs: the plan takes 32-bit offsets (LaunchPlan.flat; not
