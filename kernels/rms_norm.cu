@@ -496,6 +496,7 @@ enum QuantForm { kPlain = 0, kStatic = 1, kPerToken = 2, kPerGroup = 3 };
 enum QuantType { kE4M3 = 0, kE5M2 = 1, kInt8 = 2 };
 constexpr int kGroupSize = 128;       // kPerGroup: elements per scale
 constexpr float kMinScaleDivisor = 512.0f;   // dynamic scales >= 1 / (QMAX * 512): zeros stay zeros
+constexpr float kFloatMax = 3.40282347e+38f;    // the largest finite float (NVRTC has no FLT_MAX)
 
 // The kernel arguments of the dynamic forms beyond Params: scales of (row, group) live at
 // row * scales_row + group * scales_group (in floats; row counts every row of x, linearly);
@@ -540,11 +541,31 @@ __device__ __forceinline__ Pack<unsigned char, VEC> quantize_vec(const float (&y
     return o;
 }
 
-// A dynamic scale from the max |y| it covers: max(min(amax, ub) / QMAX, 1 / (QMAX * 512)).
+// A dynamic scale from the max |y| it covers: max(min(amax, ub) / QMAX, 1 / (QMAX * 512)), the
+// float32 division correctly rounded. Written as max(min(amax, ub), 1 / 512) / QMAX (the same
+// value: 1 / 512 is exact and rounding is monotonic), so the dividend is >= 1 / 512 and the
+// quotient one product and two fused corrections (Markstein's, with 1 / QMAX rounded: what
+// nvcc's division runs where its range check passes, without that check and its slow path).
+// amax is never NaN (fmaxf drops NaN); +inf gives +inf. tests/test_gpu_quant.py compares every
+// float32 dividend with the division.
 template <int QTYPE>
 __device__ __forceinline__ float dynamic_scale(float amax, float ub) {
-    constexpr float qmax = QuantMax<QTYPE>::value;
-    return fmaxf(fminf(amax, ub) / qmax, 1.0f / (qmax * kMinScaleDivisor));
+    constexpr float qmax = QuantMax<QTYPE>::value, inv_qmax = 1.0f / QuantMax<QTYPE>::value;
+    const float a = fmaxf(fminf(amax, ub), 1.0f / kMinScaleDivisor);
+    const float q0 = a * inv_qmax;
+    const float s = __fmaf_rn(__fmaf_rn(-q0, qmax, a), inv_qmax, q0);
+    return a > kFloatMax ? a : s;
+}
+
+// 1 / s correctly rounded, for a dynamic scale s (normal, below 2^122, or +inf: 0): the
+// reciprocal's fast path (an approximation and one fused correction), which is what 1.0f / s
+// runs for such s after a range check that this skips. +inf goes in as the largest float,
+// whose approximate reciprocal is 0 (flushed), and so stays 0. The same test covers it.
+__device__ __forceinline__ float inverse_of_scale(float s) {
+    s = fminf(s, kFloatMax);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+    return __fmaf_rn(r, __fmaf_rn(-s, r, 1.0f), r);
 }
 
 // The lanes a row group of ROW_THREADS threads occupies in its warp (all of it from 32 up).
@@ -714,7 +735,49 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
         const auto group_at = [&](int v) {
             return FLAT ? (int)(v / GROUP) * (int)group_stride : (v / GROUP) * group_stride;
         };
-        if constexpr (THREAD_VECS > 0) {
+        // A thread's THREAD_VECS vectors of a step each lie in another group (SPAN 1) of LANES
+        // lanes of one warp: their maxima are reduced and scattered together, after which lane
+        // i of the LANES holds the max of its k = i / (LANES / THREAD_VECS), so each lane works
+        // out one scale (not THREAD_VECS) and the others fetch the inverses they need.
+        constexpr bool SCATTER = THREAD_VECS > 1 && SPAN == 1 && LANES <= 32 && THREAD_VECS <= LANES;
+        if constexpr (SCATTER) {
+            constexpr int K = SCATTER ? THREAD_VECS : 1, SHARE = LANES / K;   // lanes per k after
+            const unsigned mask = row_group_mask<ROW_THREADS>();
+            const int lane = threadIdx.x % 32;
+            float y[K][VEC];
+            float m[K];
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int v = row.first + k * row.step;
+                m[k] = 0.f;
+                if (v < row.n_body) {
+                    row.body_y(k, v, y[k]);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) m[k] = fmaxf(m[k], fabsf(y[k][e]));
+                }
+            }
+#pragma unroll
+            for (int o = LANES / 2, c = K; c > 1; o /= 2, c /= 2) {   // keep half, send half
+                const bool upper = lane & o;
+#pragma unroll
+                for (int i = 0; i < c / 2; ++i) {
+                    const float keep = upper ? m[i + c / 2] : m[i], send = upper ? m[i] : m[i + c / 2];
+                    m[i] = fmaxf(keep, __shfl_xor_sync(mask, send, o));
+                }
+            }
+#pragma unroll
+            for (int o = SHARE / 2; o > 0; o /= 2) m[0] = fmaxf(m[0], __shfl_xor_sync(mask, m[0], o));
+            const int mine = (lane % LANES) / SHARE, v_mine = row.first + mine * row.step;
+            const float s = dynamic_scale<QTYPE>(m[0], ub);
+            if (lane % SHARE == 0 && v_mine < row.n_body) row_scales[group_at(v_mine)] = s;
+            const float inv_mine = inverse_of_scale(s);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int v = row.first + k * row.step;
+                const float inv = __shfl_sync(mask, inv_mine, (lane & ~(LANES - 1)) + k * SHARE);
+                if (v < row.n_body) qv[v] = quantize_vec<QTYPE, VEC>(y[k], inv);
+            }
+        } else if constexpr (THREAD_VECS > 0) {
 #pragma unroll
             for (int k0 = 0; k0 < THREAD_VECS; k0 += SPAN) {
                 float y[SPAN][VEC];
@@ -733,7 +796,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
                 if (v0 < row.n_body) {
                     const float s = dynamic_scale<QTYPE>(m, ub);
                     if (v0 % GROUP == 0) row_scales[group_at(v0)] = s;
-                    const float inv = 1.0f / s;
+                    const float inv = inverse_of_scale(s);
 #pragma unroll
                     for (int j = 0; j < SPAN; ++j) qv[v0 + j * row.step] = quantize_vec<QTYPE, VEC>(y[j], inv);
                 }
@@ -753,7 +816,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
                 if (v < row.n_body) {
                     const float s = dynamic_scale<QTYPE>(m, ub);
                     if (v % GROUP == 0) row_scales[group_at(v)] = s;
-                    qv[v] = quantize_vec<QTYPE, VEC>(y, 1.0f / s);
+                    qv[v] = quantize_vec<QTYPE, VEC>(y, inverse_of_scale(s));
                 }
             }
         }
@@ -782,7 +845,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
             });
             const float s = dynamic_scale<QTYPE>(row_max<ROW_THREADS, CLUSTER>(m), quant.p.scale_ub);
             if (row.tid == 0 && rank == 0) row_scales[0] = s;
-            inv_scale = 1.0f / s;
+            inv_scale = 1.0f / s;       // once a row (inverse_of_scale: 4 bytes of spill at 1024 x 2)
         }
         if (row.has_head) qr[row.tid] = quantize<QTYPE>(row.head_y() * inv_scale);
         with_tail<THREAD_VECS>(row, [&](int k) {
@@ -1073,12 +1136,15 @@ rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Pa
 
 // The quantized forms: q (QTYPE bytes) at out's row strides instead of y; kernels/rms_norm.cu's
 // QuantForm says which scales. The launch geometry is the plain kernel's; FLAT: rows at 32-bit
-// offsets (row_offset; LaunchPlan.flat says where). The per-token form on the vector grid keeps
-// its row's y in registers (KEEP_Y): in a block of 64-256 threads a row it is held to 48
-// registers (10 blocks of 128 an SM; at 55-63 registers, 8), which costs a spill of up to 12
-// bytes and measured faster (benchmarks/NOTES.md 29).
+// offsets (row_offset; LaunchPlan.flat says where). The dynamic forms on the vector grid keep
+// their row's y in registers (per token: KEEP_Y; per group: SCATTER): in a block of 64-256
+// threads a row they are held to 48 registers (10 blocks of 128 an SM; at 55-63 registers, 8),
+// which costs the per-token form a spill of up to 12 bytes and measured faster (benchmarks/
+// NOTES.md 29, 30).
 template <int FORM, bool EDGES, int ROW_THREADS>
-constexpr int quant_min_blocks_of_256() { return FORM == kPerToken && !EDGES && ROW_THREADS > 32 ? 5 : 3; }
+constexpr int quant_min_blocks_of_256() {
+    return (FORM == kPerToken || FORM == kPerGroup) && !EDGES && ROW_THREADS > 32 ? 5 : 3;
+}
 
 template <typename T, typename W, bool FUSED, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int FORM,
           int QTYPE, bool FLAT>

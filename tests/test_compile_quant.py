@@ -7,7 +7,7 @@ for sm_90; for sm_80 (no clusters; FP8 conversions in software) every fourth of 
 ``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every (plan, form) with every quant dtype. The
 heaviest register variants (most vectors per thread for each block size, full width, with
 edges) are also compiled with ptxas -v at the library's own options: they must not spill
-(the per-token form's plan rule is there for that), but for the per-token form on the vector
+(the per-token form's plan rule is there for that), but for the dynamic forms on the vector
 grid in a block of 64-256 threads a row, held to 48 registers (a spill of up to 16 bytes allowed).
 """
 
@@ -142,6 +142,12 @@ def test_per_group_plans_keep_groups_in_a_block():
                     assert p.cluster == 1 and p.vecs_per_thread % (group // p.threads_per_row) == 0, p
 
 
+def held_to_48(plan, form):
+    """kernels/rms_norm.cu's quant_min_blocks_of_256: the plans held to 48 registers."""
+    return (form in ("per_token", "per_group") and plan.variant == "registers" and plan.cluster == 1
+            and not plan.edges and 32 < plan.threads_per_row <= 256)
+
+
 def register_budget(plan):
     """Registers a thread may use under the kernels' launch bounds."""
     if plan.cluster > 1:
@@ -174,29 +180,29 @@ def test_register_variants_do_not_spill():
     import concurrent.futures
     names = sorted({quant_instantiation_name(dtype, w, fused, p, form, "int8" if form == "static" else "float8_e4m3fn")
                     for dtype in CUDA_TYPES for fused in (False, True) for form in QUANT_FORMS
-                    for p in heaviest(dtype, fused, form) for w in (dtype, "float32")})
+                    for p in heaviest(dtype, fused, form) if not held_to_48(p, form) for w in (dtype, "float32")})
     with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
         spills = [s for part in pool.map(_spills, _chunks(names, 12)) for s in part]
     assert len(spills) == len(names)
     assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]
 
 
-def test_per_token_on_the_vector_grid_is_held_to_48_registers():
-    """kernels/rms_norm.cu's quant_min_blocks_of_256: the per-token form without edges in a
-    block of 64-256 threads a row (its y kept in registers) compiles to at most 48 registers,
+@pytest.mark.parametrize("form", ["per_token", "per_group"])
+def test_dynamic_forms_on_the_vector_grid_are_held_to_48_registers(form):
+    """kernels/rms_norm.cu's quant_min_blocks_of_256: the dynamic forms without edges in a
+    block of 64-256 threads a row (their y kept in registers) compile to at most 48 registers,
     so 10 blocks of 128 share an SM, with at most 16 bytes of spill (up to 12 seen; measured
-    faster, benchmarks/NOTES.md 29). Its heaviest plans, weights of x's dtype and float32."""
+    faster, benchmarks/NOTES.md 29, 30). Their heaviest plans, weights of x's dtype and float32."""
     import concurrent.futures
     names = set()
     for dtype in CUDA_TYPES:
         for fused in (False, True):
             best = {}
-            for p in quant_plans(dtype, fused, "per_token").values():
-                if (p.variant == "registers" and not p.edges and 32 < p.threads_per_row <= 256
-                        and p.vec == max(VECS[dtype])):
+            for p in quant_plans(dtype, fused, form).values():
+                if held_to_48(p, form) and p.vec == max(VECS[dtype]):
                     if p.block not in best or p.vecs_per_thread > best[p.block].vecs_per_thread:
                         best[p.block] = p
-            names |= {quant_instantiation_name(dtype, w, fused, p, "per_token", "float8_e4m3fn")
+            names |= {quant_instantiation_name(dtype, w, fused, p, form, "float8_e4m3fn")
                       for p in best.values() for w in (dtype, "float32")}
     assert any("128, 4" in n for n in names), sorted(names)    # the 4096-wide rows' plan is there
 

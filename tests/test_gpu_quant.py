@@ -468,6 +468,43 @@ def test_32_bit_offsets_give_the_same_bits(form):
         assert len(default) == len(wide) and all(np.array_equal(a, b) for a, b in zip(default, wide))
 
 
+# The kernel's scale arithmetic (kernels/rms_norm.cu: dynamic_scale, inverse_of_scale) against
+# the float32 divisions the reference does, for every float32 that can reach it: amax (already
+# clamped to scale_ub) from +0 to +inf. The division is compiled here as nvcc's correctly rounded
+# one (NVRTC's default -prec-div=true).
+_SCALE_CHECK = r"""
+template <int QTYPE>
+__global__ void check_scales(unsigned first, unsigned count, unsigned long long* wrong, unsigned* first_wrong) {
+    constexpr float qmax = rmsnorm::QuantMax<QTYPE>::value;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+        const float amax = __uint_as_float(first + i);
+        const float want = fmaxf(amax / qmax, 1.0f / (qmax * rmsnorm::kMinScaleDivisor));
+        const float s = rmsnorm::dynamic_scale<QTYPE>(amax, __int_as_float(0x7f800000));
+        const float inv = rmsnorm::inverse_of_scale(s);
+        if (__float_as_uint(s) != __float_as_uint(want) || __float_as_uint(inv) != __float_as_uint(1.0f / want)) {
+            atomicAdd(wrong, 1ull);
+            atomicMin(first_wrong, first + i);
+        }
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("quant_dtype", QUANT)
+def test_scales_and_their_inverses_are_the_correctly_rounded_divisions(quant_dtype):
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cupy_rmsnorm import _compile
+    name = f"check_scales<{_compile.QUANT_TYPES[quant_dtype]}>"
+    module = cp.RawModule(code=_compile.kernel_source() + _SCALE_CHECK,
+                          options=_compile.nvrtc_options(nvrtc.getVersion()[0]), name_expressions=[name])
+    wrong = cp.zeros(1, cp.uint64)
+    first_wrong = cp.full(1, 0xFFFFFFFF, cp.uint32)
+    count = 0x7F800000 + 1                      # +0 .. +inf, every bit pattern
+    module.get_function(name)((4096,), (256,), (np.uint32(0), np.uint32(count), wrong, first_wrong))
+    assert int(wrong[0]) == 0, f"{int(wrong[0])} wrong, the first at amax bits {int(first_wrong[0]):#010x}"
+
+
 # -- torch -----------------------------------------------------------------------------------
 
 def _torch_inputs(shape, dtype, seed=0):
