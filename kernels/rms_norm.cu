@@ -845,7 +845,7 @@ __device__ __forceinline__ void store_quantized(const Row& row, unsigned char* q
             });
             const float s = dynamic_scale<QTYPE>(row_max<ROW_THREADS, CLUSTER>(m), quant.p.scale_ub);
             if (row.tid == 0 && rank == 0) row_scales[0] = s;
-            inv_scale = 1.0f / s;       // once a row (inverse_of_scale: 4 bytes of spill at 1024 x 2)
+            inv_scale = 1.0f / s;   // once a row (inverse_of_scale spilled 4 bytes in a 1024-thread cluster kernel)
         }
         if (row.has_head) qr[row.tid] = quantize<QTYPE>(row.head_y() * inv_scale);
         with_tail<THREAD_VECS>(row, [&](int k) {
