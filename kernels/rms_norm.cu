@@ -633,8 +633,8 @@ __device__ __forceinline__ float row_max(float m) {
         const int lane = threadIdx.x % 32;
         if (lane == 0) warp_max[threadIdx.x / 32] = m;
         __syncthreads();
-        m = lane < WARPS ? warp_max[lane] : 0.f;
-        m = lanes_max<32, 32>(m);
+        m = warp_max[lane % WARPS];              // each run of WARPS lanes holds them all (max is
+        m = lanes_max<WARPS, 32>(m);             // exact in any order): log2(WARPS) steps, not 5
     }
     if (CLUSTER > 1) m = cluster_max<CLUSTER>(m);
     return m;
