@@ -1,13 +1,15 @@
 """GPU time against the number of rows at one hidden size: the quantized forms and the copy of
 their bytes, to split a form's time into a cost per row and a cost per call.
 
-    PYTHONPATH=$PWD python3 benchmarks/rows_scan.py [--hidden 4096] [--rows 1320,2640,...]
-        [--cases static,per_token,per_group,copy] [--fit-from 5280] [--out FILE]
+    PYTHONPATH=$PWD python3 benchmarks/rows_scan.py [--hidden 4096] [--rows 2048,4096,...]
+        [--cases static,per_token,per_group,copy] [--fit-from 8192] [--out FILE]
 
 Each case is benchmarks/quant.py's (bf16 in, FP8 e4m3 out, graph mode); ``copy`` is its device
 copy of the per-token form's bytes. Prints one line per row count, then for each case a
 least-squares line through the row counts from --fit-from up: microseconds per 1000 rows and
-at zero rows (the part of the time that does not grow with the rows).
+at zero rows (the part of the time that does not grow with the rows). The default rows are
+2^k and 3 x 2^k: torch's copy ran at two thirds of its speed at some other counts
+(benchmarks/NOTES.md 31).
 """
 
 import argparse
@@ -17,7 +19,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-ROWS = "1320,1980,2640,3300,3960,4096,4620,5280,6600,7920,9240,10560,13200,16384"
+ROWS = "2048,3072,4096,6144,8192,12288,16384,24576,32768"
 CASES = "static,per_token,per_group,copy"
 
 
@@ -26,7 +28,7 @@ def parse_args(argv=None):
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--cases", default=CASES)
-    ap.add_argument("--fit-from", type=int, default=5280, help="the fit's smallest row count")
+    ap.add_argument("--fit-from", type=int, default=8192, help="the fit's smallest row count")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
