@@ -90,6 +90,13 @@ def composite(case):
     return fn
 
 
+def device_copy(nbytes):
+    """The floor: a device copy moving ``nbytes`` (half read, half written, as int32)."""
+    src = torch.empty(nbytes // 2 // 4, dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def ours(case, x, r, w, scale):
     import cupy_rmsnorm as rn
     form = case.split()[-1]
@@ -247,9 +254,7 @@ def main(argv=None):
                             compiled = torch.compile(eager, fullgraph=True, dynamic=False)
                             fn = lambda c=compiled: c(x, r, w, scale)  # noqa: E731
                         else:
-                            src = torch.empty(nbytes // 2 // 4, dtype=torch.int32, device="cuda")
-                            dst = torch.empty_like(src)
-                            fn = lambda s=src, d=dst: d.copy_(s)  # noqa: E731
+                            fn = device_copy(nbytes)
                     us[impl] = None if fn is None else measure(runner, fn, nbytes, bandwidth, args)
                 except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
                     us[impl] = None

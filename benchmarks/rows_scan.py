@@ -75,12 +75,7 @@ def main(argv=None):
         for case in args.cases:
             nbytes = quant.moved_bytes("per_token" if case == "copy" else case, rows, args.hidden)
             with runner.context():
-                if case == "copy":
-                    src = torch.empty(nbytes // 2 // 4, dtype=torch.int32, device="cuda")
-                    dst = torch.empty_like(src)
-                    fn = lambda s=src, d=dst: d.copy_(s)  # noqa: E731
-                else:
-                    fn = quant.ours(case, x, r, w, scale)
+                fn = quant.device_copy(nbytes) if case == "copy" else quant.ours(case, x, r, w, scale)
             us = quant.measure(runner, fn, nbytes, bandwidth, timing_args)
             times[case].append((rows, us))
             cells.append(f"{case}={us:.3f}")
