@@ -5,7 +5,7 @@
 For each shape (bf16, weight of x's dtype) and op (rms_norm's backward; the fused op's with a
 residual_out gradient) it times the heuristic's plan, the register kernel's plan and
 neighbours of it (threads per row halved or quartered, vectors per thread following), and staged plans
-(rows in shared memory) of 128..512 threads with 2 and 4 stages, forced through
+(rows in shared memory) of 128..512 threads with 2 and 4 stages, a row at a time and two at a time, forced through
 backward_plan's keyword arguments. Every plan's dx must equal the register plan's within a
 few ulps and its dweight within float32 reordering noise. Bytes moved: dy, x (and
 d_residual_out) read, dx written, weight read and written: the copy column is that at the
@@ -47,6 +47,15 @@ def candidates(hidden, dev):
                 continue
             for k in (2, 4):
                 out.append((f"staged/G{g2}/NV{nv2}/S{k}", {"threads_per_row": g2, "vecs_per_thread": nv2, "stages": k}))
+        # rows one at a time, and two at a time at the staged geometry and at half its threads
+        # (twice the steps)
+        out.append(("staged/R1", {"rows_per_step": 1}))
+        for g2, stages in ((sg, (4, 8)), (sg // 2, (4, 6))):
+            nv2 = -(-n // g2)
+            if g2 > 32 and nv2 <= 4:
+                for k in stages:
+                    out.append((f"staged/G{g2}/NV{nv2}/R2/S{k}", {"threads_per_row": g2, "vecs_per_thread": nv2,
+                                                                 "rows_per_step": 2, "stages": k}))
     return out
 
 
@@ -106,7 +115,8 @@ def main():
                 results.append((us, name))
                 print(f"  {op} {rows}x{hidden} {name:28s} {us:9.2f} us  x{row['ratio_copy']:.2f} copy"
                       f"{'  WRONG' if bad else ''}  {plan.variant if plan else ''} grid={plan.grid if plan else ''}"
-                      f" stages={plan.stages if plan else ''}", flush=True)
+                      f" stages={plan.stages if plan else ''} rows/step={plan.rows_per_step if plan else ''}",
+                      flush=True)
             if results:
                 best = min(results)
                 heur = [u for u, n in results if n == "heuristic"]

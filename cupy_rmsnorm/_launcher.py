@@ -27,7 +27,8 @@ from . import _driver
 from ._compile import (backward_instantiation_name, instantiation_name, kernel_cache, quant_instantiation_name,
                        reduce_instantiation_name)
 from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, SCALE, SCALES, WEIGHT, X, new_scales
-from ._plan import backward_plan, early_trigger, fits_32_bit_offsets, launch_plan, vector_width_from_bits
+from ._plan import (backward_plan, backward_refit_keywords, early_trigger, fits_32_bit_offsets, launch_plan,
+                    vector_width_from_bits)
 
 # kernels/rms_norm.cu: enum Flags and struct Params (eight-byte fields first, no padding;
 # the kernel asserts the same size, and a CPU test reads both sides).
@@ -438,7 +439,8 @@ _backward_overrides = {}  # forced_backward_plan(): backward_plan keyword argume
 @contextlib.contextmanager
 def forced_backward_plan(record=None, **overrides):
     """forced_plan for the backward: new backward plans get ``overrides`` as backward_plan
-    keyword arguments (threads_per_row=, vecs_per_thread=, staged=, stages=) and go to
+    keyword arguments (threads_per_row=, vecs_per_thread=, staged=, stages=, rows_per_step=,
+    max_blocks_per_sm=: a cap below the kernel's occupancy) and go to
     ``record`` if given."""
     global _plan_record
     saved = dict(_backward_overrides), _plan_record
@@ -548,7 +550,9 @@ class BackwardLauncher:
             d = self.device
             fixed = dict(edges=edges, arrays=3 if self.layout.row_strides.d_residual_out is not None else 2,
                          shared_per_sm=d.shared_per_sm, shared_per_block=d.shared_per_block, **_backward_overrides)
-            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, **fixed)
+            cap = fixed.pop("max_blocks_per_sm", None)      # forced: at most this many blocks an SM
+            plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, max_blocks_per_sm=cap,
+                                 **fixed)
             name = backward_instantiation_name(self.layout.dtype, self.layout.weight_dtype, plan)
             fn = kernel_cache.get(d.index, name, "backward")
             from cupy_backends.cuda.api import driver
@@ -557,7 +561,9 @@ class BackwardLauncher:
                 driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED,
                                         d.shared_per_block - driver.funcGetAttribute(_STATIC_SHARED, fn.ptr))
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, plan.shared_bytes)
-            fixed.setdefault("staged", plan.variant == "staged")    # the occupancy is this kernel's
+            per_sm = min(per_sm, cap or per_sm)
+            for key, value in backward_refit_keywords(plan).items():     # the occupancy is this kernel's
+                fixed.setdefault(key, value)
             plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, max_blocks_per_sm=per_sm,
                                  **fixed)
             if _plan_record is not None:

@@ -267,8 +267,17 @@ BACKWARD_MAX_STAGES = 4
 # 53.3 at hidden 4096, 14.7 vs 17.5 at 1024). Between the two measured points: 12.
 BACKWARD_STAGED_MIN_ROWS_PER_SM = 12
 BACKWARD_STAGED_MAX_VECS = 4         # steps per row (registers: weights and sums, 16 a step; 8 spill)
+# Rows the staged geometry gives 512 threads x 1 step (257-512 vectors) are staged as half the
+# threads with two steps each, taking two rows at a time (their sums share the block's
+# barriers): two blocks of 256 an SM, four stages. Against two blocks of 512 with a row a step
+# (A/B): 0.95-0.99 of the time at 4096-16384 x 4096 bf16 and fp16, 0.91-0.98 for fp32 at 2048
+# (run KC); 0.89-0.98 at hidden 2560-3584 bf16 but fused at 3072, 1.01-1.02 (KD); at 2048 x 4096
+# (15.5 rows an SM) 0.99-1.04, hence from 24 rows an SM. Blocks of 512 a pair at a time, one
+# an SM, were 1.03-1.11x slower for rms_norm at 2048-16384 x 4096 (runs KA, KB; NOTES 33).
+BACKWARD_PAIRED_GEOMETRY = (BACKWARD_STAGED_THREADS, 1)
+BACKWARD_PAIRED_MIN_ROWS_PER_SM = 24
 SHARED_RESERVED_PER_BLOCK = 1024     # what CUDA keeps of each block's shared memory
-BACKWARD_STATIC_SHARED = 256         # the staged kernel's static shared memory (row_sums), rounded up
+BACKWARD_STATIC_SHARED = 256         # the staged kernel's static shared memory (row_sums) a row a step, rounded up
 STAGE_BARRIER_BYTES = 8
 
 
@@ -291,6 +300,8 @@ class BackwardPlan:
       reduction kernel adds (in a fixed order: the bits depend only on the plan).
     stages, shared_bytes: staged only: rows in flight per block, and the dynamic shared
       memory they take (the stages, then an mbarrier each).
+    rows_per_step: staged only: rows a block takes at once (1 or 2: a pair's sums share
+      the block's barriers).
     """
 
     variant: str
@@ -304,11 +315,12 @@ class BackwardPlan:
     edges: bool = True
     stages: int = 0
     shared_bytes: int = 0
+    rows_per_step: int = 1
 
     def template_args(self):
-        """The kernel's template arguments after <T, W>: VEC, G, NV, EDGES (staged: G, NV)."""
+        """The kernel's template arguments after <T, W>: VEC, G, NV, EDGES (staged: G, NV, ROWS)."""
         if self.variant == "staged":
-            return self.threads_per_row, self.vecs_per_thread
+            return self.threads_per_row, self.vecs_per_thread, self.rows_per_step
         return self.vec, self.threads_per_row, self.vecs_per_thread, "true" if self.edges else "false"
 
     @property
@@ -345,7 +357,7 @@ def stage_bytes(hidden, itemsize, arrays):
 
 def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_blocks_per_sm=None,
                   threads_per_row=None, vecs_per_thread=None, arrays=2, shared_per_sm=0,
-                  shared_per_block=0, staged=None, stages=None):
+                  shared_per_block=0, staged=None, stages=None, rows_per_step=None):
     """Choose the backward's geometry for ``rows`` rows of ``hidden`` elements.
 
     Staged (rows in shared memory, ``staged_geometry``) where the device has the bulk
@@ -364,14 +376,15 @@ def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_bloc
     (the launcher keeps the first plan's kernel when it replans for that kernel's
     occupancy); threads_per_row / vecs_per_thread force the register kernel's geometry, or
     with ``staged`` / ``stages`` the staged one; ``stages`` forces the ring's depth
-    (``stages=0``: not staged). For sweeps and tests.
+    (``stages=0``: not staged), ``rows_per_step`` the staged rows a block takes at once
+    (``max_blocks_per_sm`` then counts those blocks). For sweeps and tests.
     """
     if rows < 0 or hidden < 1 or vec < 1 or itemsize < 1 or sm_count < 1:
         raise ValueError("backward_plan needs rows >= 0, hidden >= 1, vec >= 1, itemsize >= 1, sm_count >= 1")
     if not edges and hidden % vec:
         raise ValueError("edges=False needs hidden to be a multiple of vec (rows of whole vectors)")
     plan = _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm, threads_per_row,
-                        vecs_per_thread, arrays, shared_per_sm, shared_per_block, staged, stages)
+                        vecs_per_thread, arrays, shared_per_sm, shared_per_block, staged, stages, rows_per_step)
     if plan is not None:
         return plan
     g, nv = backward_geometry(hidden, vec)
@@ -393,6 +406,15 @@ def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_bloc
     return BackwardPlan(variant, vec, g, nv, groups, block, chunk, grid, bool(edges))
 
 
+def backward_refit_keywords(plan):
+    """backward_plan keywords that keep ``plan``'s kernel when the launcher plans again for
+    that kernel's occupancy: its kind, and for the staged kernel its template arguments."""
+    if plan.variant != "staged":
+        return {"staged": False}
+    return {"staged": True, "threads_per_row": plan.threads_per_row, "vecs_per_thread": plan.vecs_per_thread,
+            "rows_per_step": plan.rows_per_step}
+
+
 def _chunks(rows, target_grid, groups=1):
     """(rows per block, blocks): equal contiguous chunks, a multiple of ``groups``, for about
     ``target_grid`` blocks."""
@@ -401,13 +423,16 @@ def _chunks(rows, target_grid, groups=1):
 
 
 def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm, threads_per_row,
-                 vecs_per_thread, arrays, shared_per_sm, shared_per_block, staged, stages):
+                 vecs_per_thread, arrays, shared_per_sm, shared_per_block, staged, stages, rows_per_step):
     """backward_plan's staged plan, or None where rows are not staged."""
     n = hidden // vec
     forced_registers = threads_per_row is not None or vecs_per_thread is not None
-    if staged is False or stages == 0 or (staged is None and stages is None and forced_registers):
+    if staged is False or stages == 0 or (staged is None and stages is None and rows_per_step is None
+                                          and forced_registers):
         return None
-    want = bool(staged or stages)          # staged required (else: where the heuristic finds it pays)
+    if rows_per_step not in (None, 1, 2):
+        raise ValueError(f"rows_per_step must be 1 or 2, not {rows_per_step!r}")
+    want = bool(staged or stages or rows_per_step)   # staged required (else: where the heuristic finds it pays)
 
     def refuse(why):
         if want:
@@ -426,27 +451,36 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
                          f"vectors for {n})")
     if nv > BACKWARD_STAGED_MAX_VECS:
         return refuse(f"at most {BACKWARD_STAGED_MAX_VECS} vectors a thread")
+    if (rows_per_step is None and threads_per_row is None and (g, nv) == BACKWARD_PAIRED_GEOMETRY
+            and rows >= BACKWARD_PAIRED_MIN_ROWS_PER_SM * sm_count):
+        g, nv, rows_per_step = g // 2, 2 * nv, 2
+    step = rows_per_step or 1
     stage = stage_bytes(hidden, itemsize, arrays) + STAGE_BARRIER_BYTES
-    per_sm = max(1, BACKWARD_THREADS_PER_SM // g)
+    static = BACKWARD_STATIC_SHARED * step
+    # blocks of `step` rows at once: as many as make BACKWARD_THREADS_PER_SM threads an SM
+    # with one row a step
+    per_sm = max(1, BACKWARD_THREADS_PER_SM // g // step)
     if max_blocks_per_sm is not None:
         per_sm = max(1, min(per_sm, max_blocks_per_sm))
 
     def fitting(blocks):      # stages that fit one of `blocks` blocks on an SM
-        share = shared_per_sm // blocks - SHARED_RESERVED_PER_BLOCK - BACKWARD_STATIC_SHARED
-        return min(share, shared_per_block - BACKWARD_STATIC_SHARED) // stage
+        share = shared_per_sm // blocks - SHARED_RESERVED_PER_BLOCK - static
+        return min(share, shared_per_block - static) // stage
 
     if not want and rows < BACKWARD_STAGED_MIN_ROWS_PER_SM * sm_count:
         return None
+    least = 2 * step          # a step's rows and the next step's in flight
     wanted = stages or BACKWARD_MAX_STAGES
     while per_sm > 1 and fitting(per_sm) < wanted:
         per_sm -= 1
-    if fitting(per_sm) < max(stages or 0, 2):
-        return refuse(f"{max(stages or 0, 2)} stages of {stage} bytes in a block's shared memory")
+    if fitting(per_sm) < max(stages or 0, least):
+        return refuse(f"{max(stages or 0, least)} stages of {stage} bytes in a block's shared memory")
     chunk, grid = _chunks(rows, sm_count * per_sm)
     if chunk >= 2 ** 31:                  # the kernel counts a block's rows in an int
         return refuse("fewer than 2^31 rows a block")
-    k = stages or min(fitting(per_sm), BACKWARD_MAX_STAGES)
-    if k < 2 and chunk > 1:
-        raise ValueError("a block that loops over rows needs two stages or more")
+    k = stages or min(fitting(per_sm), wanted)
+    if k < min(least, chunk):
+        raise ValueError(f"a block that loops over rows {step} at a time needs {least} stages or more"
+                         if step > 1 else "a block that loops over rows needs two stages or more")
     k = min(k, chunk)        # no more stages than rows (one stage for one row: nothing to refill)
-    return BackwardPlan("staged", vec, g, nv, 1, g, chunk, grid, False, k, k * stage)
+    return BackwardPlan("staged", vec, g, nv, 1, g, chunk, grid, False, k, k * stage, step)

@@ -107,24 +107,41 @@ __device__ __forceinline__ void with_backward_flags(int flags, const F& f) {
     }
 }
 
-// Sums of (a, b) over a row group: warp shuffles, then (ROW_THREADS > 32, one group per
-// block) the block's warps through shared memory. `parity` alternates row by row, so one
-// __syncthreads per row suffices (a buffer is written again only two rows later, after
-// every thread has passed the next row's barrier, hence read this one).
-template <int ROW_THREADS>
-__device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
-    a = group_sum<ROW_THREADS>(a);
-    b = group_sum<ROW_THREADS>(b);
+// Sums of (a[j], b[j]) over a row group, for ROWS rows at once: warp shuffles, then
+// (ROW_THREADS > 32, one group per block) the block's warps through shared memory. `parity`
+// alternates step by step, so one __syncthreads per step suffices (a buffer is written again
+// only two steps later, after every thread has passed the next step's barrier, hence read
+// this one). Each row's sums take the same operations in the same order whatever ROWS is.
+template <int ROW_THREADS, int ROWS>
+__device__ __forceinline__ void row_sums(float (&a)[ROWS], float (&b)[ROWS], int parity) {
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        a[j] = group_sum<ROW_THREADS>(a[j]);
+        b[j] = group_sum<ROW_THREADS>(b[j]);
+    }
     if (ROW_THREADS > 32) {
         constexpr int WARPS = ROW_THREADS > 32 ? ROW_THREADS / 32 : 1;
-        __shared__ float2 warp_sums[2][WARPS];
+        __shared__ float2 warp_sums[2][ROWS][WARPS];
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        if (lane == 0) warp_sums[parity][warp] = make_float2(a, b);
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j)
+            if (lane == 0) warp_sums[parity][j][warp] = make_float2(a[j], b[j]);
         __syncthreads();
-        const float2 s = lane < WARPS ? warp_sums[parity][lane] : make_float2(0.f, 0.f);
-        a = group_sum<32>(s.x);
-        b = group_sum<32>(s.y);
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            const float2 s = lane < WARPS ? warp_sums[parity][j][lane] : make_float2(0.f, 0.f);
+            a[j] = group_sum<32>(s.x);
+            b[j] = group_sum<32>(s.y);
+        }
     }
+}
+
+template <int ROW_THREADS>
+__device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
+    float as[1] = {a}, bs[1] = {b};
+    row_sums<ROW_THREADS, 1>(as, bs, parity);
+    a = as[0];
+    b = bs[0];
 }
 
 // A row's inv_rms and c = mean(g * xhat) from its sums (sum x^2, sum g * x): the one formula
@@ -147,26 +164,37 @@ __device__ __forceinline__ float2 row_statistics(float ss, float sgx, int hidden
 // blocks of 512 up to 1.06 (the second barrier, with two blocks an SM, costs more than the
 // instructions it saves), hence STATS_IN_ONE_WARP_MAX_THREADS.
 constexpr int STATS_IN_ONE_WARP_MAX_THREADS = 256;
-template <int ROW_THREADS, class Between>
-__device__ __forceinline__ float2 row_stats(float a, float b, int hidden, float eps, Between&& between) {
+// ROWS rows at once: out[j] the statistics of row j.
+template <int ROW_THREADS, int ROWS, class Between>
+__device__ __forceinline__ void row_stats(float (&a)[ROWS], float (&b)[ROWS], int hidden, float eps,
+                                          Between&& between, float2 (&out)[ROWS]) {
     static_assert(ROW_THREADS > 32, "a block-wide row");
     constexpr int WARPS = ROW_THREADS / 32;
-    __shared__ float2 warp_sums[WARPS];
-    __shared__ float2 stats;
-    a = group_sum<ROW_THREADS>(a);
-    b = group_sum<ROW_THREADS>(b);
+    __shared__ float2 warp_sums[ROWS][WARPS];
+    __shared__ float2 stats[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        a[j] = group_sum<ROW_THREADS>(a[j]);
+        b[j] = group_sum<ROW_THREADS>(b[j]);
+    }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane == 0) warp_sums[warp] = make_float2(a, b);
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j)
+        if (lane == 0) warp_sums[j][warp] = make_float2(a[j], b[j]);
     __syncthreads();
     if (warp == 0) {
-        const float2 s = lane < WARPS ? warp_sums[lane] : make_float2(0.f, 0.f);
-        const float ss = group_sum<32>(s.x), sgx = group_sum<32>(s.y);
-        if (lane == 0) stats = row_statistics(ss, sgx, hidden, eps);
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            const float2 s = lane < WARPS ? warp_sums[j][lane] : make_float2(0.f, 0.f);
+            const float ss = group_sum<32>(s.x), sgx = group_sum<32>(s.y);
+            if (lane == 0) stats[j] = row_statistics(ss, sgx, hidden, eps);
+        }
     } else {
         between();
     }
     __syncthreads();
-    return stats;
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) out[j] = stats[j];
 }
 
 // Where a block's dweight sums go: its row of float32 partials, or (direct: the grid's only
@@ -620,15 +648,28 @@ __device__ __forceinline__ void stage_wait(unsigned bar, unsigned parity) {
 // Launch bounds: 1024 resident threads per SM (at most 64 registers a thread), if shared
 // memory lets that many blocks in; half that for rows of more than two steps (their
 // weights and sums take 16 registers a step, and their stages leave room for few blocks).
-template <typename T, typename W, int ROW_THREADS, int THREAD_VECS>
-__global__ void __launch_bounds__(ROW_THREADS, THREAD_VECS > 2 ? (ROW_THREADS >= 512 ? 1 : 512 / ROW_THREADS)
-                                                                : 1024 / ROW_THREADS)
+// A block of ROWS rows a step counts as ROWS blocks.
+template <int ROW_THREADS, int THREAD_VECS, int ROWS>
+struct StagedMinBlocks {
+    static constexpr int blocks = THREAD_VECS > 2 ? (ROW_THREADS >= 512 ? 1 : 512 / ROW_THREADS) : 1024 / ROW_THREADS;
+    static constexpr int value = blocks / ROWS > 1 ? blocks / ROWS : 1;
+};
+
+// ROWS rows a step (1 or 2): with 2 a block takes its rows in pairs, both rows' sums going
+// round the block at one barrier (and both rows' refills issued after it), which halves the
+// barriers a row and gives each thread two independent rows of work between them
+// (cupy_rmsnorm/_plan.py BACKWARD_PAIRED_GEOMETRY: where that pays). Each row's arithmetic
+// and each column's order of dweight additions (rows in order) are those of ROWS = 1: the
+// same geometry and blocks give the same bits.
+template <typename T, typename W, int ROW_THREADS, int THREAD_VECS, int ROWS>
+__global__ void __launch_bounds__(ROW_THREADS, StagedMinBlocks<ROW_THREADS, THREAD_VECS, ROWS>::value)
 rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
                                 float* partials, W* dweight, const BackwardParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = 16 / (int)sizeof(T);
     using VecT = Pack<T, VEC>;
     static_assert(ROW_THREADS > 32, "a staged row takes a block");
+    static_assert(ROWS == 1 || ROWS == 2, "one or two rows a step");
     extern __shared__ __align__(128) unsigned char staged[];
 
     const int hidden = p.hidden, flags = p.flags, stages = p.stages, n = p.hidden / VEC;
@@ -658,11 +699,15 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         if (v < n) weights_at<W, VEC>(w, v, w_vec, w_offset, flags, wv[i]);
     }
 
+    const auto position = [&](int k, long long& outer, long long& inner) {   // of row begin + k
+        const long long r = begin + k;
+        outer = r, inner = 0;
+        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+    };
     // the producer: bring row `begin + k` into stage k % stages
     const auto issue = [&](int k) {
-        const long long r = begin + k;
-        long long outer = r, inner = 0;
-        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+        long long outer, inner;
+        position(k, outer, inner);
         const int s = k % stages;
         const unsigned bar = bars + 8 * s, dst = shared_address(staged) + s * stage_bytes;
         stage_expect(bar, stage_bytes);
@@ -673,45 +718,58 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
     if (tid == ROW_THREADS - 32)                 // the producer: the last warp's first lane
         for (int k = 0; k < min(stages, count); ++k) issue(k);
 
-    for (int k = 0; k < count; ++k) {
-        const int s = k % stages;
-        stage_wait(bars + 8 * s, (unsigned)((k / stages) & 1));
-        const VecT* sdy = reinterpret_cast<const VecT*>(staged + s * stage_bytes);
-        const VecT* sx = sdy + n;
-        const VecT* sres = sx + n;
-        float ss = 0.f, sgx = 0.f;               // sum x^2, sum g * x
+    for (int k = 0; k < count; k += ROWS) {      // rows k .. k + m - 1 (stages >= 2 ROWS: the plan)
+        const int m = min(ROWS, count - k);
+        const VecT* sdy[ROWS];
+        float ss[ROWS], sgx[ROWS];               // sum x^2, sum g * x
 #pragma unroll
-        for (int i = 0; i < THREAD_VECS; ++i) {
-            const int v = tid + i * ROW_THREADS;
-            if (v >= n) continue;
-            const VecT a = sdy[v], b = sx[v];    // one 16-byte load each (unpack(sdy[v]) splits it)
-            float fdy[VEC], fx[VEC];
-            unpack(a, fdy);
-            unpack(b, fx);
+        for (int j = 0; j < ROWS; ++j) {
+            const int s = (k + j) % stages;
+            sdy[j] = reinterpret_cast<const VecT*>(staged + s * stage_bytes);
+            ss[j] = 0.f, sgx[j] = 0.f;
+            if (j >= m) continue;
+            stage_wait(bars + 8 * s, (unsigned)(((k + j) / stages) & 1));
+            const VecT* sx = sdy[j] + n;
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                ss += fx[e] * fx[e];
-                sgx += fdy[e] * wv[i][e] * fx[e];
+            for (int i = 0; i < THREAD_VECS; ++i) {
+                const int v = tid + i * ROW_THREADS;
+                if (v >= n) continue;
+                const VecT a = sdy[j][v], b = sx[v];   // one 16-byte load each (unpack(sdy[v]) splits it)
+                float fdy[VEC], fx[VEC];
+                unpack(a, fdy);
+                unpack(b, fx);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    ss[j] += fx[e] * fx[e];
+                    sgx[j] += fdy[e] * wv[i][e] * fx[e];
+                }
             }
         }
-        // past the (first) barrier every thread is done with row k - 1: its stage takes row
-        // k - 1 + stages (with row_stats, issued while warp 0 finishes the statistics)
+        // past the (first) barrier every thread is done with the last step's rows: their
+        // stages take rows k - ROWS + stages .. k - 1 + stages (with row_stats, issued while
+        // warp 0 finishes the statistics)
         const auto refill = [&] {
-            if (tid == ROW_THREADS - 32 && k >= 1 && k - 1 + stages < count) issue(k - 1 + stages);
+            if (tid == ROW_THREADS - 32 && k >= ROWS)
+#pragma unroll
+                for (int j = 0; j < ROWS; ++j)
+                    if (k - ROWS + j + stages < count) issue(k - ROWS + j + stages);
         };
-        float2 stats;
+        float2 stats[ROWS];                      // (inv_rms, c = mean(g * xhat)) of each row
         if constexpr (ROW_THREADS <= STATS_IN_ONE_WARP_MAX_THREADS) {
-            stats = row_stats<ROW_THREADS>(ss, sgx, hidden, p.eps, refill);
+            row_stats<ROW_THREADS, ROWS>(ss, sgx, hidden, p.eps, refill, stats);
         } else {
-            row_sums<ROW_THREADS>(ss, sgx, k & 1);
+            row_sums<ROW_THREADS, ROWS>(ss, sgx, (k / ROWS) & 1);
             refill();
-            stats = row_statistics(ss, sgx, hidden, p.eps);
+#pragma unroll
+            for (int j = 0; j < ROWS; ++j) stats[j] = row_statistics(ss[j], sgx[j], hidden, p.eps);
         }
-        const float inv_rms = stats.x, c = stats.y;        // c = mean(g * xhat)
-        const long long r = begin + k;
-        long long outer = r, inner = 0;
-        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
-        VecT* dxv = reinterpret_cast<VecT*>(const_cast<T*>(row_of<T>(dx, p.dx, outer, inner)));
+        VecT* dxv[ROWS];
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            long long outer, inner;
+            position(k + j, outer, inner);
+            dxv[j] = reinterpret_cast<VecT*>(const_cast<T*>(row_of<T>(dx, p.dx, outer, inner)));
+        }
         const auto second_pass = [&](auto add_c, auto dw_c, auto llama_c) {
             const bool ADD = add_c.value, DW = dw_c.value;
             const int LLAMA = llama_c.value ? kLlama : 0;
@@ -719,18 +777,24 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
             for (int i = 0; i < THREAD_VECS; ++i) {
                 const int v = tid + i * ROW_THREADS;
                 if (v >= n) continue;
-                const VecT a = sdy[v], b = sx[v], r = ADD ? sres[v] : a;
-                float fdy[VEC], fx[VEC], fadd[VEC];
-                unpack(a, fdy);
-                unpack(b, fx);
-                unpack(r, fadd);
-                VecT o;
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    o.v[e] = dx_of<T>(fdy[e], fx[e], wv[i][e], inv_rms, c, ADD ? fadd[e] : 0.f);
-                    if (DW) dws[i][e] += fdy[e] * xhat_for_weight<T>(fx[e], inv_rms, LLAMA);
+                for (int j = 0; j < ROWS; ++j) {     // rows in order: each column's dweight order
+                    if (j >= m) continue;
+                    const float inv_rms = stats[j].x, c = stats[j].y;
+                    const VecT* sx = sdy[j] + n;
+                    const VecT a = sdy[j][v], b = sx[v], r = ADD ? sx[n + v] : a;
+                    float fdy[VEC], fx[VEC], fadd[VEC];
+                    unpack(a, fdy);
+                    unpack(b, fx);
+                    unpack(r, fadd);
+                    VecT o;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        o.v[e] = dx_of<T>(fdy[e], fx[e], wv[i][e], inv_rms, c, ADD ? fadd[e] : 0.f);
+                        if (DW) dws[i][e] += fdy[e] * xhat_for_weight<T>(fx[e], inv_rms, LLAMA);
+                    }
+                    dxv[j][v] = o;
                 }
-                dxv[v] = o;
             }
         };
         with_backward_flags(flags, second_pass);

@@ -5,7 +5,7 @@
 Covers every launch shape of cupy_rmsnorm.backward_plan (warp groups sharing a block, a
 block per row with the row in registers, the same for no more rows than SMs (one row a
 block: the row kernel, a call of one row per dtype, op and layout), a streamed block per row, rows staged in shared
-memory by bulk copies where the device has them) and the dweight
+memory by bulk copies where the device has them, one or two at a time) and the dweight
 reduction, every dtype, both backward ops (the fused one with and without a residual_out
 gradient), both casting modes, weights of x's dtype / float32 / none (offsets 0 and 1),
 rows at odd element offsets, strided rows (each row at another alignment), a (tokens,
@@ -33,12 +33,12 @@ import cupy_rmsnorm as rn
 from cupy_rmsnorm import _driver, _launcher, _plan
 
 OPS = ("rms_norm", "fused", "fused_dres")
-HIDDEN = (7, 255, 1000, 4095, 4096, 33001)   # warp groups; blocks (both widths); 4096: staged blocks of 512; streamed
+HIDDEN = (7, 255, 1000, 4095, 4096, 33001)   # warp groups; blocks (both widths); 4096: staged (pairs for 16-bit); streamed
 LAYOUTS = ("contiguous", "offset_out", "strided", "heads", "mixed")
 QUICK_LAYOUTS = ("contiguous", "strided", "mixed")   # contiguous: the staged rows
 SANITIZE_SMS = 1                         # plans as for 1 SM: a few blocks, each looping over 8+ rows
 ROWS_SHORT, ROWS_LONG = 600, 64          # hidden <= 255 (32 groups of a block need 2+ rows each); longer
-SHAPES = {"warp", "block", "row", "stream"}    # and "staged" on sm_90+
+SHAPES = {"warp", "block", "row", "stream"}    # and "staged", "staged pairs" on sm_90+
 # float32 arithmetic in another order than NumPy's; dx is a difference (cancellation): a
 # tolerance relative to the magnitudes that meet in it
 NOISE = 3e-5
@@ -46,7 +46,8 @@ SPACING = {"float32": 2.0 ** -22, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}  
 
 
 def launch_shapes(plans):
-    return {(p.variant if p.variant in ("staged", "row") else "stream" if p.vecs_per_thread == 0
+    return {("staged pairs" if p.variant == "staged" and p.rows_per_step == 2
+             else p.variant if p.variant in ("staged", "row") else "stream" if p.vecs_per_thread == 0
              else "warp" if p.threads_per_row <= _plan.WARP else "block", p.vec) for p in plans}
 
 
@@ -135,7 +136,7 @@ def main():
           f"vector widths {sorted({v for _, v in seen})}", flush=True)
     if wrong:
         return 3
-    if set(shapes) != SHAPES | ({"staged"} if device.shared_per_sm else set()):
+    if set(shapes) != SHAPES | ({"staged", "staged pairs"} if device.shared_per_sm else set()):
         print("sanitize_backward_grid: the grid missed a launch shape", flush=True)
         return 4
     return 0

@@ -266,6 +266,9 @@ FORCED = {
     # staged (sm_90+): four steps a row, and two stages refilled as the block loops
     "staged-128x4": ({"threads_per_row": 128, "vecs_per_thread": 4, "stages": 2}, {4: 2048, 2: 4096}),
     "staged-512x1": ({"threads_per_row": 512, "vecs_per_thread": 1, "stages": 3}, {4: 1500, 2: 3000}),
+    # rows two at a time, five stages (a ring that is not a whole number of steps)
+    "staged-256x2-pairs": ({"threads_per_row": 256, "vecs_per_thread": 2, "stages": 5, "rows_per_step": 2},
+                           {4: 2048, 2: 4096}),
 }
 
 
@@ -331,6 +334,34 @@ def test_staged_rows_give_the_register_kernels_bits(op, dtype_name):
     assert [p.variant for p in plans] == ["registers", "staged"], plans
     assert plans[0].grid == plans[1].grid and plans[0].rows_per_block == plans[1].rows_per_block, plans
     for a, b in zip(*results):        # (dx, dweight): the same bytes
+        assert a.dtype == b.dtype and a.shape == b.shape and bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
+
+
+@pytest.mark.parametrize("stages", [4, 5])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("op", OPS)
+def test_staged_pairs_give_the_one_row_kernels_bits(op, dtype_name, stages):
+    """Rows two at a time (rows_per_step=2) are the one-row staged kernel's arithmetic and
+    order: with the same blocks (one an SM, 21 rows each and 16 in the last) dx and
+    dweight are identical bit for bit, with a ring of whole steps (4) and not (5)."""
+    d = _driver.device(cp.cuda.Device().id)
+    if not d.shared_per_sm:
+        pytest.skip("staged rows need sm_90's bulk copies")
+    hidden = 4096 if np.dtype(DTYPES[dtype_name]).itemsize == 2 else 2048
+    data = Data(cp.random.RandomState(_seed("staged pairs", op, dtype_name)), op, dtype_name,
+                (d.sm_count * 21 - 5, hidden), "fp32", "same", 0.5)
+    results, plans = [], []
+    for step in (1, 2):
+        with _launcher.forced_backward_plan(record=plans, rows_per_step=step, stages=stages, max_blocks_per_sm=1):
+            if op == "rms_norm":
+                results.append(rn.rms_norm_backward(data.dy, data.x, data.w, EPS, weight_offset=0.5))
+            else:
+                dres = data.dres if op == "fused_dres" else None
+                results.append(rn.fused_add_rms_norm_backward(data.dy, dres, data.x, data.w, EPS, weight_offset=0.5))
+    assert [(p.variant, p.rows_per_step, p.stages, p.grid) for p in plans] == \
+        [("staged", 1, stages, d.sm_count), ("staged", 2, stages, d.sm_count)], plans
+    assert plans[0].rows_per_block == 21, plans
+    for a, b in zip(*results):
         assert a.dtype == b.dtype and a.shape == b.shape and bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
 
 

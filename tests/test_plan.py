@@ -10,7 +10,7 @@ import pytest
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _compile as _compile_names
 from cupy_rmsnorm import _layout
-from cupy_rmsnorm._plan import vector_width
+from cupy_rmsnorm._plan import backward_refit_keywords, vector_width
 
 H200_SMS = 132
 A100_SMS = 108
@@ -675,18 +675,22 @@ def test_backward_plan_properties():
 H200_SHARED = {"shared_per_sm": 233472, "shared_per_block": 232448}   # the H200's, as the driver reports
 STAGED_RESERVE = 1024 + 256      # per block: CUDA's reserved kilobyte, the kernel's static shared memory
 
-# (rows, hidden, itemsize, vec, arrays) -> (threads per row, steps, rows_per_block, grid, stages),
-# by hand: threads = next power of two of n within [64, 512], steps = ceil(n / threads);
-# stage = arrays x hidden x itemsize + 8; blocks per SM 1024 // threads, fewer until four stages
-# fit each one's share of the SM (or one block is left); stages: as many as fit, at most 4 and
-# at most rows_per_block; staged from 12 rows per SM.
+# (rows, hidden, itemsize, vec, arrays) -> (threads per row, steps, rows a step, rows_per_block,
+# grid, stages), by hand: threads = next power of two of n within [64, 512], steps =
+# ceil(n / threads), except n = 512 from 24 rows an SM: 256 threads x 2 steps, rows two at a time;
+# stage = arrays x hidden x itemsize + 8; blocks per SM 1024 // (threads x rows a step), fewer
+# until four stages fit each one's share of the SM (or one block is left); stages: as many as
+# fit, at most 4 and at most rows_per_block; staged from 12 rows per SM.
 STAGED_TABLE = [
-    ((16384, 4096, 2, 8, 2), (512, 1, 63, 261, 4)),     # 2 blocks; 115456 // 16392 = 7 fit
-    ((16384, 4096, 2, 8, 3), (512, 1, 63, 261, 4)),     # 115456 // 24584 = 4
-    ((4096, 8192, 2, 8, 3), (512, 2, 32, 128, 4)),      # two blocks: 115456 // 49160 = 2; one: 4
-    ((4096, 2048, 2, 8, 2), (256, 1, 8, 512, 4)),       # 4 blocks; 57088 // 8200 = 6
-    ((4096, 8192, 4, 4, 2), (512, 4, 32, 128, 3)),      # n = 2048; one block: 232192 // 65544 = 3
-    ((8192, 1000, 2, 8, 2), (128, 1, 8, 1024, 4)),      # n = 125; 8 blocks an SM, 8 rows each
+    ((16384, 4096, 2, 8, 2), (256, 2, 2, 63, 261, 4)),  # 2 blocks; 115456 // 16392 = 7 fit
+    ((16384, 4096, 2, 8, 3), (256, 2, 2, 63, 261, 4)),  # 115456 // 24584 = 4
+    ((3168, 4096, 2, 8, 2), (256, 2, 2, 12, 264, 4)),   # 24 rows an SM: pairs
+    ((3167, 4096, 2, 8, 2), (512, 1, 1, 12, 264, 4)),   # one row short of 24 an SM: a row at a time
+    ((4096, 2048, 4, 4, 2), (256, 2, 2, 16, 256, 4)),   # float32 rows of 512 vectors: pairs
+    ((4096, 8192, 2, 8, 3), (512, 2, 1, 32, 128, 4)),   # two blocks: 115456 // 49160 = 2; one: 4
+    ((4096, 2048, 2, 8, 2), (256, 1, 1, 8, 512, 4)),    # 4 blocks; 57088 // 8200 = 6
+    ((4096, 8192, 4, 4, 2), (512, 4, 1, 32, 128, 3)),   # n = 2048; one block: 232192 // 65544 = 3
+    ((8192, 1000, 2, 8, 2), (128, 1, 1, 8, 1024, 4)),   # n = 125; 8 blocks an SM, 8 rows each
 ]
 
 
@@ -694,12 +698,38 @@ STAGED_TABLE = [
 def test_staged_backward_plan_table(args, expected):
     rows, hidden, itemsize, vec, arrays = args
     p = rn.backward_plan(rows, hidden, itemsize, vec, H200_SMS, edges=False, arrays=arrays, **H200_SHARED)
-    assert (p.variant, p.threads_per_row, p.vecs_per_thread, p.rows_per_block, p.grid, p.stages) == ("staged", *expected)
+    assert (p.variant, p.threads_per_row, p.vecs_per_thread, p.rows_per_step, p.rows_per_block, p.grid,
+            p.stages) == ("staged", *expected)
     stage = arrays * hidden * itemsize + 8
     assert p.shared_bytes == p.stages * stage and p.block == p.threads_per_row and p.groups_per_block == 1
-    assert p.template_args() == expected[:2] and not p.edges
+    assert p.template_args() == expected[:3] and not p.edges
     name = _compile_names.backward_instantiation_name("bfloat16", None, p)
-    assert name == f"rmsnorm::rms_norm_backward_staged_kernel<__nv_bfloat16, __nv_bfloat16, {expected[0]}, {expected[1]}>"
+    assert name == ("rmsnorm::rms_norm_backward_staged_kernel<__nv_bfloat16, __nv_bfloat16, "
+                    f"{expected[0]}, {expected[1]}, {expected[2]}>")
+
+
+def test_staged_pairs_forced_and_refused():
+    # forced without a geometry: the staged geometry (512 x 1 here), two rows a step; eight
+    # stages fit one block of 512 an SM, and four are wanted
+    p = rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, rows_per_step=2, **H200_SHARED)
+    assert (p.threads_per_row, p.vecs_per_thread, p.rows_per_step, p.grid, p.stages) == (512, 1, 2, 128, 4)
+    # a row a step, forced: no pairs where the heuristic would pair
+    p = rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, rows_per_step=1, **H200_SHARED)
+    assert (p.threads_per_row, p.vecs_per_thread, p.rows_per_step, p.grid) == (512, 1, 1, 256)
+    # fewer than four stages (two steps of two rows) refused; a block of three rows takes three
+    with pytest.raises(ValueError, match="2 at a time needs 4 stages"):
+        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, rows_per_step=2, stages=3, **H200_SHARED)
+    p = rn.backward_plan(3 * H200_SMS, 4096, 2, 8, H200_SMS, edges=False, rows_per_step=2, max_blocks_per_sm=1,
+                         **H200_SHARED)
+    assert (p.rows_per_block, p.stages) == (3, 3)
+    # four stages of 48 KiB for one block: fits; rows_per_step must be 1 or 2
+    p = rn.backward_plan(4096, 8192, 2, 8, H200_SMS, edges=False, arrays=3, rows_per_step=2, **H200_SHARED)
+    assert (p.threads_per_row, p.vecs_per_thread, p.rows_per_step, p.grid, p.stages) == (512, 2, 2, 128, 4)
+    with pytest.raises(ValueError, match="rows_per_step must be 1 or 2"):
+        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, rows_per_step=3, **H200_SHARED)
+    # rows_per_step alone asks for the staged kernel: refused where it cannot run
+    with pytest.raises(ValueError, match="16-byte grid"):
+        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=True, rows_per_step=2, **H200_SHARED)
 
 
 @pytest.mark.parametrize("args, why", [
@@ -732,7 +762,7 @@ def test_staged_backward_plan_forced_and_refused():
     with pytest.raises(ValueError, match="5 stages of 49160 bytes"):
         rn.backward_plan(4096, 8192, 2, 8, H200_SMS, edges=False, arrays=3, stages=5, **H200_SHARED)
     with pytest.raises(ValueError, match="two stages or more"):
-        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, stages=1, **H200_SHARED)
+        rn.backward_plan(4096, 4096, 2, 8, H200_SMS, edges=False, stages=1, rows_per_step=1, **H200_SHARED)
     assert rn.backward_plan(1584, 1000, 2, 8, H200_SMS, edges=False, **H200_SHARED).variant == "staged"
     # staged=True: staged wherever it can run (here four rows a block, which the heuristic leaves
     # to the register kernel), or an error; staged=False: never
@@ -762,7 +792,7 @@ def test_the_launchers_replan_keeps_the_kernel():
         first = rn.backward_plan(rows, hidden, itemsize, vec, H200_SMS, edges=False, arrays=arrays, **H200_SHARED)
         for occupancy in (1, 2, 3):
             again = rn.backward_plan(rows, hidden, itemsize, vec, H200_SMS, edges=False, arrays=arrays,
-                                     max_blocks_per_sm=occupancy, staged=first.variant == "staged", **H200_SHARED)
+                                     max_blocks_per_sm=occupancy, **backward_refit_keywords(first), **H200_SHARED)
             ctx = (rows, hidden, itemsize, arrays, occupancy, first, again)
             assert again.variant == first.variant and again.template_args() == first.template_args(), ctx
             assert again.grid <= H200_SMS * occupancy, ctx
@@ -789,13 +819,14 @@ def test_staged_backward_plan_properties():
             assert g & (g - 1) == 0 and 64 <= g <= 512 and g * p.vecs_per_thread >= n, ctx
             assert 1 <= p.vecs_per_thread <= 4 and n > 64, ctx
             assert 1 <= p.stages <= min(4, p.rows_per_block) and rows >= 12 * H200_SMS, ctx
-            assert p.stages >= 2 or p.rows_per_block == 1, ctx
+            assert p.stages >= min(2 * p.rows_per_step, p.rows_per_block), ctx
+            assert p.rows_per_step == (2 if (256 < n <= 512 and rows >= 24 * H200_SMS) else 1), ctx
             stage = arrays * hidden * itemsize + 8
             assert p.shared_bytes == p.stages * stage, ctx
             per_sm = -(-p.grid // H200_SMS)
             assert p.shared_bytes + STAGED_RESERVE <= H200_SHARED["shared_per_block"], ctx
             assert per_sm * (p.shared_bytes + STAGED_RESERVE) <= H200_SHARED["shared_per_sm"], ctx
-            assert per_sm <= min(1024 // g, occupancy or 1024), ctx
+            assert per_sm <= min(1024 // (g * p.rows_per_step), occupancy or 1024), ctx
             assert p.grid * p.rows_per_block >= rows and (p.grid - 1) * p.rows_per_block < rows, ctx
     assert count > 20
 
