@@ -734,7 +734,7 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
             for (int i = 0; i < THREAD_VECS; ++i) {
                 const int v = tid + i * ROW_THREADS;
                 if (v >= n) continue;
-                const VecT a = sdy[j][v], b = sx[v];   // one 16-byte load each (unpack(sdy[v]) splits it)
+                const VecT a = sdy[j][v], b = sx[v];   // one 16-byte load each (unpack(sdy[j][v]) splits it)
                 float fdy[VEC], fx[VEC];
                 unpack(a, fdy);
                 unpack(b, fx);

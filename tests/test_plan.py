@@ -677,7 +677,7 @@ STAGED_RESERVE = 1024 + 256      # per block: CUDA's reserved kilobyte, the kern
 
 # (rows, hidden, itemsize, vec, arrays) -> (threads per row, steps, rows a step, rows_per_block,
 # grid, stages), by hand: threads = next power of two of n within [64, 512], steps =
-# ceil(n / threads), except n = 512 from 24 rows an SM: 256 threads x 2 steps, rows two at a time;
+# ceil(n / threads), except 512 x 1 from 24 rows an SM: 256 threads x 2 steps, rows two at a time;
 # stage = arrays x hidden x itemsize + 8; blocks per SM 1024 // (threads x rows a step), fewer
 # until four stages fit each one's share of the SM (or one block is left); stages: as many as
 # fit, at most 4 and at most rows_per_block; staged from 12 rows per SM.
@@ -781,9 +781,11 @@ def test_staged_backward_plan_forced_and_refused():
 
 def test_the_launchers_replan_keeps_the_kernel():
     """The launcher plans, compiles that plan's kernel, asks the driver how many of its blocks
-    fit an SM and plans again with that and ``staged`` set to the first plan's kind: the
-    second plan must launch the same kernel (an earlier heuristic turned a register plan
-    staged at lower occupancy, and the H200 refused that launch: CUDA_ERROR_INVALID_VALUE)."""
+    fit an SM and plans again with that and the first plan's kernel (its kind and, staged, its
+    template arguments: backward_refit_keywords): the second plan must launch the same kernel.
+    An earlier heuristic turned a register plan staged at lower occupancy, and the rows-a-step
+    heuristic, replanned with rows_per_step alone, came back 512 x 1 for a kernel of 256 x 2;
+    the H200 refused both launches (CUDA_ERROR_INVALID_VALUE)."""
     for rows, hidden, itemsize, arrays in itertools.product((1000, 1584, 4096, 16384), (1000, 2048, 4096, 8192),
                                                             (2, 4), (2, 3)):
         vec = 16 // itemsize
