@@ -267,15 +267,20 @@ BACKWARD_MAX_STAGES = 4
 # 53.3 at hidden 4096, 14.7 vs 17.5 at 1024). Between the two measured points: 12.
 BACKWARD_STAGED_MIN_ROWS_PER_SM = 12
 BACKWARD_STAGED_MAX_VECS = 4         # steps per row (registers: weights and sums, 16 a step; 8 spill)
-# Rows the staged geometry gives 512 threads x 1 step (257-512 vectors) are staged as half the
-# threads with two steps each, taking two rows at a time (their sums share the block's
-# barriers): two blocks of 256 an SM, four stages. Against two blocks of 512 with a row a step
-# (A/B): 0.95-0.99 of the time at 4096-16384 x 4096 bf16 and fp16, 0.91-0.98 for fp32 at 2048
-# (run KC); 0.89-0.98 at hidden 2560-3584 bf16 but fused at 3072, 1.01-1.02 (KD); at 2048 x 4096
-# (15.5 rows an SM) 0.99-1.04, hence from 24 rows an SM. Blocks of 512 a pair at a time, one
-# an SM, were 1.03-1.11x slower for rms_norm at 2048-16384 x 4096 (runs KA, KB; NOTES 33).
-BACKWARD_PAIRED_GEOMETRY = (BACKWARD_STAGED_THREADS, 1)
-BACKWARD_PAIRED_MIN_ROWS_PER_SM = 24
+# Rows staged two at a time (their sums share the block's barriers): the staged geometry
+# (threads, steps) -> the geometry that takes them in pairs, from so many rows an SM.
+# - 512 x 1 (257-512 vectors) -> half the threads with two steps each: two blocks of 256 an
+#   SM, four stages. Against two blocks of 512 with a row a step (A/B): 0.95-0.99 of the time
+#   at 4096-16384 x 4096 bf16 and fp16, 0.91-0.98 for fp32 at 2048 (run KC); 0.89-0.98 at
+#   hidden 2560-3584 bf16 but fused at 3072, 1.01-1.02 (KD); at 2048 x 4096 (15.5 rows an SM)
+#   0.99-1.04, hence from 24 rows an SM. Blocks of 512 a pair at a time, one an SM, were
+#   1.03-1.11x slower for rms_norm at 2048-16384 x 4096 (runs KA, KB; NOTES 33).
+# - 128 x 1 (65-128 vectors) -> the same geometry, four blocks an SM, six stages
+#   (BACKWARD_PAIRED_STAGES), wherever rows are staged (NOTES 34).
+BACKWARD_PAIRED_GEOMETRY = {(BACKWARD_STAGED_THREADS, 1): (256, 2), (128, 1): (128, 1)}
+BACKWARD_PAIRED_MIN_ROWS_PER_SM = {(BACKWARD_STAGED_THREADS, 1): 24, (128, 1): BACKWARD_STAGED_MIN_ROWS_PER_SM}
+# The stages of a block taking rows in pairs, by its geometry (others: BACKWARD_MAX_STAGES).
+BACKWARD_PAIRED_STAGES = {(128, 1): 6}
 SHARED_RESERVED_PER_BLOCK = 1024     # what CUDA keeps of each block's shared memory
 BACKWARD_STATIC_SHARED = 256         # the staged kernel's static shared memory (row_sums) a row a step, rounded up
 STAGE_BARRIER_BYTES = 8
@@ -451,9 +456,9 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
                          f"vectors for {n})")
     if nv > BACKWARD_STAGED_MAX_VECS:
         return refuse(f"at most {BACKWARD_STAGED_MAX_VECS} vectors a thread")
-    if (rows_per_step is None and threads_per_row is None and (g, nv) == BACKWARD_PAIRED_GEOMETRY
-            and rows >= BACKWARD_PAIRED_MIN_ROWS_PER_SM * sm_count):
-        g, nv, rows_per_step = g // 2, 2 * nv, 2
+    if (rows_per_step is None and threads_per_row is None and (g, nv) in BACKWARD_PAIRED_GEOMETRY
+            and rows >= BACKWARD_PAIRED_MIN_ROWS_PER_SM[(g, nv)] * sm_count):
+        (g, nv), rows_per_step = BACKWARD_PAIRED_GEOMETRY[(g, nv)], 2
     step = rows_per_step or 1
     stage = stage_bytes(hidden, itemsize, arrays) + STAGE_BARRIER_BYTES
     static = BACKWARD_STATIC_SHARED * step
@@ -470,7 +475,7 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
     if not want and rows < BACKWARD_STAGED_MIN_ROWS_PER_SM * sm_count:
         return None
     least = 2 * step          # a step's rows and the next step's in flight
-    wanted = stages or BACKWARD_MAX_STAGES
+    wanted = stages or (step == 2 and BACKWARD_PAIRED_STAGES.get((g, nv))) or BACKWARD_MAX_STAGES
     while per_sm > 1 and fitting(per_sm) < wanted:
         per_sm -= 1
     if fitting(per_sm) < max(stages or 0, least):

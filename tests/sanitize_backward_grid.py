@@ -33,12 +33,15 @@ import cupy_rmsnorm as rn
 from cupy_rmsnorm import _driver, _launcher, _plan
 
 OPS = ("rms_norm", "fused", "fused_dres")
-HIDDEN = (7, 255, 1000, 4095, 4096, 33001)   # warp groups; blocks (both widths); 4096: staged (pairs for 16-bit); streamed
+# warp groups; blocks (both widths; 1000: staged pairs of 128 threads for 16-bit); 4096: staged
+# (pairs of 256 threads for 16-bit); streamed
+HIDDEN = (7, 255, 1000, 4095, 4096, 33001)
 LAYOUTS = ("contiguous", "offset_out", "strided", "heads", "mixed")
 QUICK_LAYOUTS = ("contiguous", "strided", "mixed")   # contiguous: the staged rows
 SANITIZE_SMS = 1                         # plans as for 1 SM: a few blocks, each looping over 8+ rows
 ROWS_SHORT, ROWS_LONG = 600, 64          # hidden <= 255 (32 groups of a block need 2+ rows each); longer
-SHAPES = {"warp", "block", "row", "stream"}    # and "staged", "staged pairs" on sm_90+
+SHAPES = {"warp", "block", "row", "stream"}    # and STAGED_SHAPES on sm_90+
+STAGED_SHAPES = {"staged", "staged pairs 256x2", "staged pairs 128x1"}   # pairs: threads x steps
 # float32 arithmetic in another order than NumPy's; dx is a difference (cancellation): a
 # tolerance relative to the magnitudes that meet in it
 NOISE = 3e-5
@@ -46,7 +49,7 @@ SPACING = {"float32": 2.0 ** -22, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}  
 
 
 def launch_shapes(plans):
-    return {("staged pairs" if p.variant == "staged" and p.rows_per_step == 2
+    return {(f"staged pairs {p.threads_per_row}x{p.vecs_per_thread}" if p.variant == "staged" and p.rows_per_step == 2
              else p.variant if p.variant in ("staged", "row") else "stream" if p.vecs_per_thread == 0
              else "warp" if p.threads_per_row <= _plan.WARP else "block", p.vec) for p in plans}
 
@@ -136,7 +139,7 @@ def main():
           f"vector widths {sorted({v for _, v in seen})}", flush=True)
     if wrong:
         return 3
-    if set(shapes) != SHAPES | ({"staged", "staged pairs"} if device.shared_per_sm else set()):
+    if set(shapes) != SHAPES | (STAGED_SHAPES if device.shared_per_sm else set()):
         print("sanitize_backward_grid: the grid missed a launch shape", flush=True)
         return 4
     return 0

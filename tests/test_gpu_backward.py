@@ -337,17 +337,19 @@ def test_staged_rows_give_the_register_kernels_bits(op, dtype_name):
         assert a.dtype == b.dtype and a.shape == b.shape and bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
 
 
+@pytest.mark.parametrize("vectors", [512, 128])
 @pytest.mark.parametrize("stages", [4, 5])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("op", OPS)
-def test_staged_pairs_give_the_one_row_kernels_bits(op, dtype_name, stages):
+def test_staged_pairs_give_the_one_row_kernels_bits(op, dtype_name, stages, vectors):
     """Rows two at a time (rows_per_step=2) are the one-row staged kernel's arithmetic and
     order: with the same blocks (one an SM, 21 rows each and 16 in the last) dx and
-    dweight are identical bit for bit, with a ring of whole steps (4) and not (5)."""
+    dweight are identical bit for bit, with a ring of whole steps (4) and not (5), in
+    blocks of 512 threads (rows of 512 vectors) and of 128 (128 vectors)."""
     d = _driver.device(cp.cuda.Device().id)
     if not d.shared_per_sm:
         pytest.skip("staged rows need sm_90's bulk copies")
-    hidden = 4096 if np.dtype(DTYPES[dtype_name]).itemsize == 2 else 2048
+    hidden = vectors * 16 // np.dtype(DTYPES[dtype_name]).itemsize
     data = Data(cp.random.RandomState(_seed("staged pairs", op, dtype_name)), op, dtype_name,
                 (d.sm_count * 21 - 5, hidden), "fp32", "same", 0.5)
     results, plans = [], []
@@ -360,9 +362,34 @@ def test_staged_pairs_give_the_one_row_kernels_bits(op, dtype_name, stages):
                 results.append(rn.fused_add_rms_norm_backward(data.dy, dres, data.x, data.w, EPS, weight_offset=0.5))
     assert [(p.variant, p.rows_per_step, p.stages, p.grid) for p in plans] == \
         [("staged", 1, stages, d.sm_count), ("staged", 2, stages, d.sm_count)], plans
-    assert plans[0].rows_per_block == 21, plans
+    assert plans[0].rows_per_block == 21 and all(p.threads_per_row == vectors for p in plans), plans
     for a, b in zip(*results):
         assert a.dtype == b.dtype and a.shape == b.shape and bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_staged_pairs_of_128_vectors_as_the_heuristic_plans_them(dtype_name):
+    """Rows of 128 vectors are taken two at a time wherever they are staged: at 12 rows an SM
+    three rows a block, all in the ring from the start (no refill, the last step one row),
+    and one row short of 24 an SM six a block with a last block of five; against the
+    float64 reference."""
+    d = _driver.device(cp.cuda.Device().id)
+    if not d.shared_per_sm:
+        pytest.skip("staged rows need sm_90's bulk copies")
+    hidden = 128 * 16 // np.dtype(DTYPES[dtype_name]).itemsize
+    rs = cp.random.RandomState(_seed("pairs of 128", dtype_name))
+    plans, failures = [], []
+    with _launcher.forced_backward_plan(record=plans):      # no override: the heuristic's plans
+        for rows, (mode, wk, wo) in ((d.sm_count * 12, ("llama", "float32", 0.0)),
+                                     (d.sm_count * 24 - 1, ("fp32", "same", 1.0))):
+            for op in OPS:
+                msg = run_call(Data(rs, op, dtype_name, (rows, hidden), mode, wk, wo), "2d")
+                if msg:
+                    failures.append(f"[{op} rows={rows} {mode} {wk}+{wo}] {msg}")
+    assert {(p.variant, p.threads_per_row, p.vecs_per_thread, p.rows_per_step) for p in plans} == \
+        {("staged", 128, 1, 2)}, plans
+    assert {(p.rows_per_block, p.stages) for p in plans} >= {(3, 3), (6, 6)}, plans
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

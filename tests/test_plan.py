@@ -677,10 +677,12 @@ STAGED_RESERVE = 1024 + 256      # per block: CUDA's reserved kilobyte, the kern
 
 # (rows, hidden, itemsize, vec, arrays) -> (threads per row, steps, rows a step, rows_per_block,
 # grid, stages), by hand: threads = next power of two of n within [64, 512], steps =
-# ceil(n / threads), except 512 x 1 from 24 rows an SM: 256 threads x 2 steps, rows two at a time;
+# ceil(n / threads), except 512 x 1 from 24 rows an SM, which becomes 256 threads x 2 steps,
+# rows two at a time, and 128 x 1, which takes rows two at a time with up to six stages;
 # stage = arrays x hidden x itemsize + 8; blocks per SM 1024 // (threads x rows a step), fewer
-# until four stages fit each one's share of the SM (or one block is left); stages: as many as
-# fit, at most 4 and at most rows_per_block; staged from 12 rows per SM.
+# until the wanted stages fit each one's share of the SM (or one block is left); stages: as
+# many as fit, at most 4 (6 for 128 x 1 pairs) and at most rows_per_block; staged from 12 rows
+# per SM.
 STAGED_TABLE = [
     ((16384, 4096, 2, 8, 2), (256, 2, 2, 63, 261, 4)),  # 2 blocks; 115456 // 16392 = 7 fit
     ((16384, 4096, 2, 8, 3), (256, 2, 2, 63, 261, 4)),  # 115456 // 24584 = 4
@@ -690,7 +692,10 @@ STAGED_TABLE = [
     ((4096, 8192, 2, 8, 3), (512, 2, 1, 32, 128, 4)),   # two blocks: 115456 // 49160 = 2; one: 4
     ((4096, 2048, 2, 8, 2), (256, 1, 1, 8, 512, 4)),    # 4 blocks; 57088 // 8200 = 6
     ((4096, 8192, 4, 4, 2), (512, 4, 1, 32, 128, 3)),   # n = 2048; one block: 232192 // 65544 = 3
-    ((8192, 1000, 2, 8, 2), (128, 1, 1, 8, 1024, 4)),   # n = 125; 8 blocks an SM, 8 rows each
+    ((8192, 1000, 2, 8, 2), (128, 1, 2, 16, 512, 6)),   # n = 125: pairs, 4 blocks an SM, 16 rows each
+    ((3167, 1000, 2, 8, 2), (128, 1, 2, 6, 528, 6)),    # 128 x 1: pairs below 24 rows an SM too
+    ((1584, 1000, 2, 8, 2), (128, 1, 2, 3, 528, 3)),    # ... down to 12 an SM (staged): three rows a block
+    ((4096, 512, 4, 4, 3), (128, 1, 2, 8, 512, 6)),     # float32 rows of 128 vectors: pairs
 ]
 
 
@@ -820,9 +825,11 @@ def test_staged_backward_plan_properties():
             g = p.threads_per_row
             assert g & (g - 1) == 0 and 64 <= g <= 512 and g * p.vecs_per_thread >= n, ctx
             assert 1 <= p.vecs_per_thread <= 4 and n > 64, ctx
-            assert 1 <= p.stages <= min(4, p.rows_per_block) and rows >= 12 * H200_SMS, ctx
+            paired = (256 < n <= 512 and rows >= 24 * H200_SMS) or 64 < n <= 128
+            most = 6 if paired and n <= 128 else 4
+            assert 1 <= p.stages <= min(most, p.rows_per_block) and rows >= 12 * H200_SMS, ctx
             assert p.stages >= min(2 * p.rows_per_step, p.rows_per_block), ctx
-            assert p.rows_per_step == (2 if (256 < n <= 512 and rows >= 24 * H200_SMS) else 1), ctx
+            assert p.rows_per_step == (2 if paired else 1), ctx
             stage = arrays * hidden * itemsize + 8
             assert p.shared_bytes == p.stages * stage, ctx
             per_sm = -(-p.grid // H200_SMS)
