@@ -279,8 +279,12 @@ BACKWARD_STAGED_MAX_VECS = 4         # steps per row (registers: weights and sum
 #   (BACKWARD_PAIRED_STAGES), wherever rows are staged (NOTES 34).
 BACKWARD_PAIRED_GEOMETRY = {(BACKWARD_STAGED_THREADS, 1): (256, 2), (128, 1): (128, 1)}
 BACKWARD_PAIRED_MIN_ROWS_PER_SM = {(BACKWARD_STAGED_THREADS, 1): 24, (128, 1): BACKWARD_STAGED_MIN_ROWS_PER_SM}
-# The stages of a block taking rows in pairs, by its geometry (others: BACKWARD_MAX_STAGES).
+# The stages of a block taking rows in pairs, by its geometry (others: BACKWARD_MAX_STAGES),
+# and (BACKWARD_PAIRED_FEW_ROWS_STAGES) the fewer stages of blocks with at most so many rows:
+# 128 x 1 pairs with four stages took 0.95-0.98 of six's time at 5-10 rows a block (A/B, bf16,
+# fp16 and fp32), 0.97-1.05 at 12 (run MA), 1.02-1.09x from 16 (NOTES 34, 35).
 BACKWARD_PAIRED_STAGES = {(128, 1): 6}
+BACKWARD_PAIRED_FEW_ROWS_STAGES = {(128, 1): (10, 4)}
 SHARED_RESERVED_PER_BLOCK = 1024     # what CUDA keeps of each block's shared memory
 BACKWARD_STATIC_SHARED = 256         # the staged kernel's static shared memory (row_sums) a row a step, rounded up
 STAGE_BARRIER_BYTES = 8
@@ -483,6 +487,9 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
     chunk, grid = _chunks(rows, sm_count * per_sm)
     if chunk >= 2 ** 31:                  # the kernel counts a block's rows in an int
         return refuse("fewer than 2^31 rows a block")
+    few_rows, few_stages = BACKWARD_PAIRED_FEW_ROWS_STAGES.get((g, nv), (0, 0)) if step == 2 else (0, 0)
+    if chunk <= few_rows:
+        wanted = min(wanted, few_stages)
     k = stages or min(fitting(per_sm), wanted)
     if k < min(least, chunk):
         raise ValueError(f"a block that loops over rows {step} at a time needs {least} stages or more"

@@ -108,7 +108,10 @@ __device__ __forceinline__ void with_backward_flags(int flags, const F& f) {
 }
 
 // Sums of (a[j], b[j]) over a row group, for ROWS rows at once: warp shuffles, then
-// (ROW_THREADS > 32, one group per block) the block's warps through shared memory. `parity`
+// (ROW_THREADS > 32, one group per block) the block's warps through shared memory, each
+// warp's sum read by lanes warp, warp + WARPS, ... so that log2(WARPS) butterflies give every
+// lane the total (the tree of 32 lanes with zeros past WARPS, less its additions of zero,
+// which are a row's chain of latency with one row a block). `parity`
 // alternates step by step, so one __syncthreads per step suffices (a buffer is written again
 // only two steps later, after every thread has passed the next step's barrier, hence read
 // this one). Each row's sums take the same operations in the same order whatever ROWS is.
@@ -129,9 +132,9 @@ __device__ __forceinline__ void row_sums(float (&a)[ROWS], float (&b)[ROWS], int
         __syncthreads();
 #pragma unroll
         for (int j = 0; j < ROWS; ++j) {
-            const float2 s = lane < WARPS ? warp_sums[parity][j][lane] : make_float2(0.f, 0.f);
-            a[j] = group_sum<32>(s.x);
-            b[j] = group_sum<32>(s.y);
+            const float2 s = warp_sums[parity][j][lane % WARPS];
+            a[j] = group_sum<WARPS>(s.x);
+            b[j] = group_sum<WARPS>(s.y);
         }
     }
 }
@@ -144,11 +147,18 @@ __device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
     b = bs[0];
 }
 
+// v / hidden. For a power of two the product with its reciprocal 2^-k is the same correctly
+// rounded quotient, bit for bit, without the division's instruction sequence: two of those
+// follow a row's sums in its chain of latency, which is the whole time of a one-row block.
+__device__ __forceinline__ float over_hidden(float v, int hidden) {
+    return (hidden & (hidden - 1)) == 0 ? v * __int_as_float((128 - __ffs(hidden)) << 23) : v / (float)hidden;
+}
+
 // A row's inv_rms and c = mean(g * xhat) from its sums (sum x^2, sum g * x): the one formula
 // every backward kernel uses.
 __device__ __forceinline__ float2 row_statistics(float ss, float sgx, int hidden, float eps) {
-    const float inv_rms = rsqrtf(ss / (float)hidden + eps);
-    return make_float2(inv_rms, sgx * inv_rms / (float)hidden);
+    const float inv_rms = rsqrtf(over_hidden(ss, hidden) + eps);
+    return make_float2(inv_rms, over_hidden(sgx * inv_rms, hidden));
 }
 
 // A block-wide row's inv_rms and c = mean(g * xhat) from its sums (a, b) = (sum x^2, sum g * x):
@@ -185,8 +195,8 @@ __device__ __forceinline__ void row_stats(float (&a)[ROWS], float (&b)[ROWS], in
     if (warp == 0) {
 #pragma unroll
         for (int j = 0; j < ROWS; ++j) {
-            const float2 s = lane < WARPS ? warp_sums[j][lane] : make_float2(0.f, 0.f);
-            const float ss = group_sum<32>(s.x), sgx = group_sum<32>(s.y);
+            const float2 s = warp_sums[j][lane % WARPS];
+            const float ss = group_sum<WARPS>(s.x), sgx = group_sum<WARPS>(s.y);
             if (lane == 0) stats[j] = row_statistics(ss, sgx, hidden, eps);
         }
     } else {

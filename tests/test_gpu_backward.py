@@ -370,9 +370,9 @@ def test_staged_pairs_give_the_one_row_kernels_bits(op, dtype_name, stages, vect
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_staged_pairs_of_128_vectors_as_the_heuristic_plans_them(dtype_name):
     """Rows of 128 vectors are taken two at a time wherever they are staged: at 12 rows an SM
-    three rows a block, all in the ring from the start (no refill, the last step one row),
-    and one row short of 24 an SM six a block with a last block of five; against the
-    float64 reference."""
+    three rows a block, all in the ring from the start (no refill, the last step one row);
+    one row short of 24 an SM six a block with a last block of five, in four stages; one
+    row short of 52 an SM 13 a block, in six; against the float64 reference."""
     d = _driver.device(cp.cuda.Device().id)
     if not d.shared_per_sm:
         pytest.skip("staged rows need sm_90's bulk copies")
@@ -381,14 +381,15 @@ def test_staged_pairs_of_128_vectors_as_the_heuristic_plans_them(dtype_name):
     plans, failures = [], []
     with _launcher.forced_backward_plan(record=plans):      # no override: the heuristic's plans
         for rows, (mode, wk, wo) in ((d.sm_count * 12, ("llama", "float32", 0.0)),
-                                     (d.sm_count * 24 - 1, ("fp32", "same", 1.0))):
+                                     (d.sm_count * 24 - 1, ("fp32", "same", 1.0)),
+                                     (d.sm_count * 52 - 1, ("llama", "same", 0.0))):
             for op in OPS:
                 msg = run_call(Data(rs, op, dtype_name, (rows, hidden), mode, wk, wo), "2d")
                 if msg:
                     failures.append(f"[{op} rows={rows} {mode} {wk}+{wo}] {msg}")
     assert {(p.variant, p.threads_per_row, p.vecs_per_thread, p.rows_per_step) for p in plans} == \
         {("staged", 128, 1, 2)}, plans
-    assert {(p.rows_per_block, p.stages) for p in plans} >= {(3, 3), (6, 6)}, plans
+    assert {(p.rows_per_block, p.stages) for p in plans} >= {(3, 3), (6, 4), (13, 6)}, plans
     assert not failures, "\n".join(failures)
 
 
