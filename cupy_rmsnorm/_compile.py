@@ -66,9 +66,14 @@ def quant_instantiation_name(dtype, weight_dtype, fused, plan, form, quant_dtype
             f"{'true' if fused else 'false'}, {args}, {QUANT_FORMS[form]}, {QUANT_TYPES[quant_dtype]}{flat}>")
 
 
-def backward_instantiation_name(dtype, weight_dtype, plan):
-    """The name expression of the backward kernel a BackwardPlan needs (program "backward")."""
+def backward_instantiation_name(dtype, weight_dtype, plan, flags=None):
+    """The name expression of the backward kernel a BackwardPlan needs (program "backward");
+    the row kernel's also has its ``flags`` (``_launcher.row_kernel_flags``) compiled in."""
     args = ", ".join(str(a) for a in plan.template_args())
+    if plan.variant == "row":
+        if flags is None:
+            raise ValueError("the row kernel's instantiation needs its flags")
+        args += f", {flags}"
     kernel = {"staged": "rms_norm_backward_staged_kernel", "row": "rms_norm_backward_row_kernel"}.get(
         plan.variant, "rms_norm_backward_kernel")
     return f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, {args}>"

@@ -417,8 +417,10 @@ class QuantLauncher(Launcher):
 # -- backward ----------------------------------------------------------------------------------
 # kernels/rms_norm_backward.cu: enum BackwardFlags, struct BackwardParams and ReduceParams
 # (eight-byte fields first, no padding; the kernel asserts the sizes, a CPU test reads both sides).
-BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16, "kDirectWeight": 32}   # with FLAGS' kLlama and kHasWeight
-ADD_GRAD, WEIGHT_GRAD, DIRECT_WEIGHT = (BACKWARD_FLAGS[k] for k in ("kAddGrad", "kWeightGrad", "kDirectWeight"))
+BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16, "kDirectWeight": 32,     # with FLAGS' kLlama and kHasWeight
+                  "kUnitRows": 64, "kWeightVectors": 128}                      # the row kernel's promises
+ADD_GRAD, WEIGHT_GRAD, DIRECT_WEIGHT, UNIT_ROWS, WEIGHT_VECTORS = (
+    BACKWARD_FLAGS[k] for k in ("kAddGrad", "kWeightGrad", "kDirectWeight", "kUnitRows", "kWeightVectors"))
 BACKWARD_PARAMS_BYTES = 112
 BACKWARD_PARAMS_DTYPE = np.dtype([
     ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
@@ -427,6 +429,21 @@ BACKWARD_PARAMS_DTYPE = np.dtype([
     ("stages", "<i4"), ("unused", "<i4"),
 ])
 assert BACKWARD_PARAMS_DTYPE.itemsize == BACKWARD_PARAMS_BYTES
+
+
+def row_kernel_flags(flags, unit_rows, weight_vectors):
+    """The template FLAGS of rms_norm_backward_row_kernel for a call's BackwardParams flags:
+    kLlama only where it matters (dweight), and the promises that hold: ``unit_rows`` (n_inner
+    is 1) and ``weight_vectors`` (rows without edges and a weight aligned to its vectors)."""
+    if not flags & WEIGHT_GRAD:
+        flags &= ~LLAMA
+    if unit_rows:
+        flags |= UNIT_ROWS
+    if weight_vectors and flags & HAS_WEIGHT:
+        flags |= WEIGHT_VECTORS
+    return flags
+
+
 REDUCE_PARAMS_BYTES = 16
 REDUCE_PARAMS_DTYPE = np.dtype([("partials", "<i8"), ("hidden", "<i8")])
 assert REDUCE_PARAMS_DTYPE.itemsize == REDUCE_PARAMS_BYTES
@@ -534,17 +551,19 @@ class BackwardLauncher:
                 params[name] = st
         params["dx"] = layout.dx_strides
         params["eps"], params["weight_offset"] = scalars.eps, kernel_weight_offset(scalars)
-        params["flags"] = (LLAMA if scalars.llama else 0) | (ADD_GRAD if strides.d_residual_out is not None else 0)
+        self.flags = (LLAMA if scalars.llama else 0) | (ADD_GRAD if strides.d_residual_out is not None else 0)
         self.params = params
         # a fresh contiguous dx (x's row strides decide whether torch's empty_like gives one)
         self._empty_dx = kind.empty_getter(strides.x, layout.n_inner, layout.hidden)
         self._by_vec = {}
+        self._row_kernels = {}     # (vec, edges, row_kernel_flags) -> the row kernel's KernelLaunch
         self._reduce = None
         self._lock = threading.Lock()
 
     def plan_and_function(self, vec, edges):
         """The plan (its grid fitted to the kernel's occupancy) and compiled kernel for a
-        vector width and edges (cached; compiled on first use)."""
+        vector width and edges (cached; compiled on first use). The row kernel, whose flags are
+        compiled in, comes from ``row_kernel`` (None here)."""
         entry = self._by_vec.get((vec, edges))
         if entry is None:
             d = self.device
@@ -553,6 +572,11 @@ class BackwardLauncher:
             cap = fixed.pop("max_blocks_per_sm", None)      # forced: at most this many blocks an SM
             plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, max_blocks_per_sm=cap,
                                  **fixed)
+            if plan.variant == "row":       # one row a block at any occupancy: nothing to refit
+                if _plan_record is not None:
+                    _plan_record.append(plan)
+                entry = self._by_vec[(vec, edges)] = (plan, None)
+                return entry
             name = backward_instantiation_name(self.layout.dtype, self.layout.weight_dtype, plan)
             fn = kernel_cache.get(d.index, name, "backward")
             from cupy_backends.cuda.api import driver
@@ -571,6 +595,17 @@ class BackwardLauncher:
             kernel = _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block, plan.shared_bytes)
             entry = self._by_vec[(vec, edges)] = (plan, kernel)
         return entry
+
+    def row_kernel(self, plan, flags):
+        """The row kernel for ``plan`` with ``flags`` (row_kernel_flags) compiled in (cached)."""
+        key = (plan.vec, plan.edges, flags)
+        kernel = self._row_kernels.get(key)
+        if kernel is None:
+            name = backward_instantiation_name(self.layout.dtype, self.layout.weight_dtype, plan, flags)
+            fn = kernel_cache.get(self.device.index, name, "backward")
+            kernel = self._row_kernels[key] = _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block,
+                                                                   plan.shared_bytes)
+        return kernel
 
     def reduce_kernel(self):
         if self._reduce is None:
@@ -611,10 +646,13 @@ class BackwardLauncher:
             dweight = kind.empty_of(w, (self.hidden,), None)
             if not direct:
                 partials = kind.empty_of(x, (plan.partials, self.hidden), "float32")
+        flags = (self.flags | (HAS_WEIGHT if w is not None else 0) | (WEIGHT_GRAD if want_dw else 0)
+                 | (DIRECT_WEIGHT if direct else 0))
+        if kernel is None:
+            w_aligned = w is not None and not edges and pointers[4] % (plan.vec * self.layout.weight_itemsize) == 0
+            kernel = self.row_kernel(plan, row_kernel_flags(flags, self.layout.n_inner == 1, w_aligned))
         params = self.params.copy()
-        params["rows_per_block"], params["stages"] = plan.rows_per_block, plan.stages
-        params["flags"] |= ((HAS_WEIGHT if w is not None else 0) | (WEIGHT_GRAD if want_dw else 0)
-                            | (DIRECT_WEIGHT if direct else 0))
+        params["rows_per_block"], params["stages"], params["flags"] = plan.rows_per_block, plan.stages, flags
         argv, held = _argv(pointers + [ptr(partials) if partials is not None else 0,
                                        ptr(dweight) if dweight is not None else 0, params])
         with self._lock:      # the KernelLaunch records hold the stream

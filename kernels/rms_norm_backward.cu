@@ -29,8 +29,10 @@
 namespace rmsnorm {
 
 // BackwardParams.flags: Flags' kLlama and kHasWeight (g = dy * w'), and these
-// dx += d_residual_out; write dweight partials; write dweight itself (a grid of one block)
-enum BackwardFlags { kAddGrad = 8, kWeightGrad = 16, kDirectWeight = 32 };
+// dx += d_residual_out; write dweight partials; write dweight itself (a grid of one block).
+// The row kernel takes its flags as a template argument instead, with two promises more:
+// n_inner == 1 (a row's offset without a division) and the weight aligned to its vectors.
+enum BackwardFlags { kAddGrad = 8, kWeightGrad = 16, kDirectWeight = 32, kUnitRows = 64, kWeightVectors = 128 };
 
 // Everything but the pointers, by value (mirrored by cupy_rmsnorm/_launcher.py's
 // BACKWARD_PARAMS_DTYPE; a CPU test reads both sides). Row r of an array starts at
@@ -249,9 +251,9 @@ struct RowView {
 };
 
 template <typename T, int VEC, bool EDGES>
-__device__ __forceinline__ RowView row_view(const T* x, const BackwardParams& p, long long r) {
+__device__ __forceinline__ RowView row_view(const T* x, const BackwardParams& p, long long r, int flags) {
     RowView v{r, 0, 0, p.hidden / VEC, p.hidden};
-    if (p.n_inner != 1) { v.outer = r / p.n_inner; v.inner = r - v.outer * p.n_inner; }
+    if (!(flags & kUnitRows) && p.n_inner != 1) { v.outer = r / p.n_inner; v.inner = r - v.outer * p.n_inner; }
     if (EDGES) {   // head: up to x's row's first 16-byte boundary (every array shares x's pattern)
         const T* xr = row_of(x, p.x, v.outer, v.inner);
         const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
@@ -292,8 +294,8 @@ struct BackwardMinBlocks {
 // ONE_ROW (rms_norm_backward_row_kernel; rows_per_block == 1, one group a block): the block's
 // dweight sums are its row's dy * xhat: they go from registers straight to its partials row,
 // or to dweight, without the shared-memory round trip and its barriers (as 0 + v, what the
-// sums would hold).
-template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, bool ONE_ROW>
+// sums would hold). FLAGS: the flags when known at compile time (the row kernel), else -1.
+template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, bool ONE_ROW, int FLAGS>
 __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
                                               float* partials, W* dweight, const BackwardParams& p) {
     using VecT = Pack<T, VEC>;
@@ -324,12 +326,13 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
 #pragma unroll
     for (int e = 0; e < (SUMS_IN_REGISTERS ? VEC : 1); ++e) dw_acc[e] = 0.f;
 
-    const int hidden = p.hidden, flags = p.flags;
+    const int hidden = p.hidden, flags = FLAGS >= 0 ? FLAGS : p.flags;
     const float w_offset = p.weight_offset;
     const bool has_weight = flags & kHasWeight, weight_grad = flags & kWeightGrad, add_grad = flags & kAddGrad;
     const int tid = threadIdx.x % ROW_THREADS, group = threadIdx.x / ROW_THREADS;
-    const long long begin = (long long)blockIdx.x * p.rows_per_block;
-    const long long end = min(begin + p.rows_per_block, p.rows);
+    // (one row a block: its grid is the rows)
+    const long long begin = ONE_ROW ? (long long)blockIdx.x : (long long)blockIdx.x * p.rows_per_block;
+    const long long end = ONE_ROW ? begin + 1 : min(begin + p.rows_per_block, p.rows);
     // Where this block's dweight sums build up: its threads' registers (SUMS_IN_REGISTERS),
     // shared memory (one row per group), or for streamed rows its own row of partials in
     // global memory. Each way each column gets one addition per row, rows in order; outside
@@ -346,13 +349,13 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     wait_for_previous_kernel();                  // no global memory access before this
     VecT kdy[NV], kx[NV];                        // the row's body, kept for the second pass
     if (PREFETCH && begin + group < end)
-        load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, begin + group), tid, kdy, kx);
+        load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, begin + group, flags), tid, kdy, kx);
     int parity = 0;
     // every thread of the block runs the same iterations (the shuffles need whole warps)
     for (long long base = begin; base < end; base += GROUPS, parity ^= 1) {
         const long long row = base + group;
         const bool active = row < end;
-        const RowView rv = row_view<T, VEC, EDGES>(x, p, active ? row : begin);
+        const RowView rv = row_view<T, VEC, EDGES>(x, p, active ? row : begin, flags);
         const T* dyr = row_of(dy, p.dy, rv.outer, rv.inner);
         const T* xr = row_of(x, p.x, rv.outer, rv.inner);
         T* dxr = const_cast<T*>(row_of<T>(dx, p.dx, rv.outer, rv.inner));
@@ -362,7 +365,8 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
         const bool has_head = EDGES && active && tid < head;
         const bool has_tail = EDGES && active && tid < hidden - tail_start;
         const W* wb = w + head;
-        const bool w_vec = has_weight && (reinterpret_cast<unsigned long long>(wb) % sizeof(Pack<W, VEC>)) == 0;
+        const bool w_vec = has_weight && ((flags & kWeightVectors)
+                                          || (reinterpret_cast<unsigned long long>(wb) % sizeof(Pack<W, VEC>)) == 0);
         const VecT* dyv = reinterpret_cast<const VecT*>(dyr + head);
         const VecT* xv = reinterpret_cast<const VecT*>(xr + head);
 
@@ -370,7 +374,7 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
         float head_dy = 0.f, head_x = 0.f, tail_dy = 0.f, tail_x = 0.f, head_w = 1.f, tail_w = 1.f;
         VecT ndy[NV], nx[NV];                    // NEXT_ROW: the next row's body
         if (NEXT_ROW && row + GROUPS < end)
-            load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, row + GROUPS), tid, ndy, nx);
+            load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, row + GROUPS, flags), tid, ndy, nx);
         if (active) {
             if (THREAD_VECS > 0 && !PREFETCH) load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, rv, tid, kdy, kx);
             if (has_head) {
@@ -527,19 +531,23 @@ template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, boo
 __global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
 rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
                          W* dweight, const BackwardParams p) {
-    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, false>(dy, x, d_residual_out, dx, w, partials, dweight, p);
+    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, false, -1>(dy, x, d_residual_out, dx, w, partials, dweight, p);
     allow_next_kernel();
 }
 
 // Few rows (no more than the SMs, cupy_rmsnorm/_plan.py's "row" variant): a block-wide group
 // per row and one row a block, whatever the occupancy. A kernel of its own: in the one
-// above, the one-row path cost the looping blocks 3% at 1024 x 4096 (run X).
-template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
+// above, the one-row path cost the looping blocks 3% at 1024 x 4096 (run X). Its FLAGS are
+// compiled in (BackwardFlags, with kUnitRows and kWeightVectors where they hold): a block of one
+// row is a chain of dependent instructions, and the flags' tests and the general row
+// arithmetic were a quarter of them (1 x 4096 bf16: 6,240 warp instructions, 4,656 compiled in,
+// ncu, run NA; A/B 0.76-0.99 of the time at 1-128 rows, one case of 42 at 1.02).
+template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int FLAGS>
 __global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
 rms_norm_backward_row_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
                              W* dweight, const BackwardParams p) {
     static_assert(ROW_THREADS > 32 && THREAD_VECS > 0, "a block-wide group with the row in registers");
-    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, true>(dy, x, d_residual_out, dx, w, partials, dweight, p);
+    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, true, FLAGS>(dy, x, d_residual_out, dx, w, partials, dweight, p);
     allow_next_kernel();
 }
 

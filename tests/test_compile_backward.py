@@ -18,6 +18,7 @@ from test_compile import ARCHS, ITEMSIZE, MANGLED, NVRTC_MISSING, VECS, _check_b
 
 from cupy_rmsnorm import _compile, backward_plan
 from cupy_rmsnorm._compile import CUDA_TYPES, backward_instantiation_name, reduce_instantiation_name
+from cupy_rmsnorm._launcher import ADD_GRAD, DIRECT_WEIGHT, HAS_WEIGHT, LLAMA, WEIGHT_GRAD, row_kernel_flags
 
 pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=f"NVRTC compile test: {NVRTC_MISSING}")
 
@@ -175,6 +176,15 @@ def test_staged_variants_compile_without_spills(dtype):
 
 # -- few rows (no more than the SMs: a row a block, rms_norm_backward_row_kernel) ---------------
 
+# the row kernel's compiled-in flags: every flag and promise (dweight written directly, llama,
+# the fused op's d_residual_out), dweight partials with no promise, and no weight
+ROW_FLAGS = (
+    row_kernel_flags(LLAMA | HAS_WEIGHT | ADD_GRAD | WEIGHT_GRAD | DIRECT_WEIGHT, True, True),
+    row_kernel_flags(HAS_WEIGHT | WEIGHT_GRAD, False, False),
+    row_kernel_flags(LLAMA, True, False),
+)
+
+
 def row_plans(dtype):
     """Every distinct "row" plan (7 rows) over VECTOR_COUNTS, at every width, with and without edges."""
     return [p for p in backward_plans(dtype, rows=7).values() if p.variant == "row"]
@@ -188,7 +198,8 @@ def test_row_variants_compile_without_spills(dtype):
     assert {p.threads_per_row for p in plans} >= {128, 512, 1024} and {p.edges for p in plans} == {True, False}
     widest = max(VECS[dtype])
     chosen = [p for p in plans if p.vec == widest] + [p for p in plans if p.vec != widest][::4]
-    names = sorted({backward_instantiation_name(dtype, w, p) for p in chosen for w in (dtype, "float32")})
+    names = sorted({backward_instantiation_name(dtype, w, p, flags) for p in chosen for w in (dtype, "float32")
+                    for flags in ROW_FLAGS})
     assert all("rms_norm_backward_row_kernel" in n for n in names), names
     for arch in ARCHS:
         assert _compile.compile_offline(names, arch, "backward")

@@ -27,7 +27,7 @@ import pytest
 from helpers import DTYPES, gpu_missing, requires_gpu, torch_cuda_missing
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _driver, _launcher
+from cupy_rmsnorm import _api, _driver, _launcher
 
 if gpu_missing() is None:
     import cupy as cp
@@ -432,6 +432,55 @@ def test_row_kernel_gives_the_register_kernels_bits(op, dtype_name):
         for name, a, b in (("dx", results[0][0], results[1][0]), ("dweight", results[0][1], results[1][1])):
             msg = G.same_bits(a, b)
             assert msg is None, f"{name}: row kernel against register kernel: {msg}"
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("op", ("rms_norm", "fused_dres"))
+def test_row_kernel_flags_compiled_in(op, dtype_name):
+    """The row kernel has its flags compiled in, with two promises where they hold: rows of
+    one stride (n_inner 1) and a weight aligned to its vectors. Every call below is checked
+    against the float64 reference, and the calls that differ only where the data sits (a
+    weight one element off its vectors, rows as the query heads of a wider buffer) or in
+    whether dweight is wanted give the same bits as the plain call; the launcher compiled
+    the flags each case should get."""
+    hidden = 512 * (16 // np.dtype(DTYPES[dtype_name]).itemsize)
+    fused = op != "rms_norm"
+    for rows, mode in ((1, "llama"), (5, "fp32")):
+        rs = cp.random.RandomState(_seed("row flags", op, dtype_name, rows))
+        data = Data(rs, op, dtype_name, (rows, hidden), mode, "same", 1.0)
+        arrays = dict(dy=data.dy, d_residual_out=data.dres, x=data.x)
+
+        def call(weight_grad=True, heads=False, weight=data.w, arrays=arrays):
+            if heads:                 # the same rows as heads 1 and 3 of (rows, 4, hidden): n_inner 2
+                arrays = {k: None if a is None else place("qkv", cp.stack([a, a], axis=1), a.dtype)
+                          for k, a in arrays.items()}
+            b = _api.BackwardArrays(arrays["dy"], arrays["x"], arrays["d_residual_out"], weight)
+            dx, dw = _api._backward_call(fused, b, EPS, 1.0, mode, weight_grad)
+            return dx.reshape(rows, -1, hidden)[:, -1], dw
+
+        _launcher.clear_cache()
+        plain = call()
+        assert compare("dx", plain[0], data.ref[0], data.ref[2]) is None
+        assert compare("dweight", plain[1], data.ref[1], data.ref[3]) is None
+        w_off = cp.empty(hidden + 1, data.w.dtype)
+        w_off[1:] = data.w
+        for kwargs in (dict(weight_grad=False), dict(weight=w_off[1:])):
+            dx, dw = call(**kwargs)
+            assert G.same_bits(dx, plain[0]) is None, kwargs
+            assert (dw is None) if kwargs.get("weight_grad") is False else G.same_bits(dw, plain[1]) is None, kwargs
+        dx, dw = call(heads=True)         # every row twice: dweight doubles (added in another order)
+        assert G.same_bits(dx, plain[0]) is None
+        assert compare("dweight", dw, 2 * data.ref[1], 2 * data.ref[3]) is None
+        flags = {k[2] for launcher in _launcher._backward_cache.values() for k in launcher._row_kernels}
+        base = (_launcher.LLAMA if mode == "llama" else 0) | _launcher.HAS_WEIGHT | (_launcher.ADD_GRAD if fused else 0)
+        grad = _launcher.WEIGHT_GRAD | (_launcher.DIRECT_WEIGHT if rows == 1 else 0)    # one block: dweight direct
+        unit, vectors = _launcher.UNIT_ROWS, _launcher.WEIGHT_VECTORS
+        # the heads of one row are rows of one stride (a leading axis of 1 is dropped); of 5, n_inner is 2
+        heads = base | _launcher.WEIGHT_GRAD | vectors | (unit if rows == 1 else 0)
+        assert flags == {base | grad | unit | vectors,                          # plain
+                         (base & ~_launcher.LLAMA) | unit | vectors,           # no dweight: llama dropped
+                         base | grad | unit,                                   # the weight off its vectors
+                         heads}, sorted(flags)
 
 
 def test_no_rows():

@@ -63,6 +63,16 @@ def test_backward_flags_match_the_kernel():
     assert not set(flags.values()) & set(_launcher.FLAGS.values())     # one Params.flags word
 
 
+def test_row_kernel_flags():
+    L = _launcher
+    every = L.LLAMA | L.HAS_WEIGHT | L.ADD_GRAD | L.WEIGHT_GRAD | L.DIRECT_WEIGHT
+    assert L.row_kernel_flags(every, True, True) == every | L.UNIT_ROWS | L.WEIGHT_VECTORS
+    assert L.row_kernel_flags(every, False, False) == every
+    # llama only matters to dweight; no weight, no promise about it
+    assert L.row_kernel_flags(L.LLAMA | L.HAS_WEIGHT, True, True) == L.HAS_WEIGHT | L.UNIT_ROWS | L.WEIGHT_VECTORS
+    assert L.row_kernel_flags(L.LLAMA | L.ADD_GRAD, False, True) == L.ADD_GRAD
+
+
 def test_reduce_geometry_matches_the_kernel():
     src = kernel_source("backward")
     m = re.search(r"constexpr int REDUCE_COLUMNS = (\d+), REDUCE_SLICES = (\d+);", src)
