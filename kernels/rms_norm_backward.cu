@@ -58,6 +58,14 @@ __device__ __forceinline__ const T* row_of(const T* base, const RowStrides& s, l
     return base + outer * s.outer + inner * s.inner;
 }
 
+// Row r's indices on its two leading axes: (r / n_inner, r % n_inner); no division for
+// `unit_rows` (n_inner known to be 1) or n_inner == 1.
+__device__ __forceinline__ void split_row(const BackwardParams& p, long long r, bool unit_rows, long long& outer,
+                                          long long& inner) {
+    outer = r, inner = 0;
+    if (!unit_rows && p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
+}
+
 // The weights (offset added) of body vector v; one 16-byte load when aligned.
 template <typename W, int VEC>
 __device__ __forceinline__ void weights_at(const W* wb, int v, bool w_vec, float w_offset, int flags,
@@ -253,7 +261,7 @@ struct RowView {
 template <typename T, int VEC, bool EDGES>
 __device__ __forceinline__ RowView row_view(const T* x, const BackwardParams& p, long long r, int flags) {
     RowView v{r, 0, 0, p.hidden / VEC, p.hidden};
-    if (!(flags & kUnitRows) && p.n_inner != 1) { v.outer = r / p.n_inner; v.inner = r - v.outer * p.n_inner; }
+    split_row(p, r, flags & kUnitRows, v.outer, v.inner);
     if (EDGES) {   // head: up to x's row's first 16-byte boundary (every array shares x's pattern)
         const T* xr = row_of(x, p.x, v.outer, v.inner);
         const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
@@ -717,15 +725,10 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         if (v < n) weights_at<W, VEC>(w, v, w_vec, w_offset, flags, wv[i]);
     }
 
-    const auto position = [&](int k, long long& outer, long long& inner) {   // of row begin + k
-        const long long r = begin + k;
-        outer = r, inner = 0;
-        if (p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
-    };
     // the producer: bring row `begin + k` into stage k % stages
     const auto issue = [&](int k) {
         long long outer, inner;
-        position(k, outer, inner);
+        split_row(p, begin + k, false, outer, inner);
         const int s = k % stages;
         const unsigned bar = bars + 8 * s, dst = shared_address(staged) + s * stage_bytes;
         stage_expect(bar, stage_bytes);
@@ -785,7 +788,7 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
 #pragma unroll
         for (int j = 0; j < ROWS; ++j) {
             long long outer, inner;
-            position(k + j, outer, inner);
+            split_row(p, begin + k + j, false, outer, inner);
             dxv[j] = reinterpret_cast<VecT*>(const_cast<T*>(row_of<T>(dx, p.dx, outer, inner)));
         }
         const auto second_pass = [&](auto add_c, auto dw_c, auto llama_c) {
