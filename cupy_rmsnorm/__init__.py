@@ -8,6 +8,9 @@
     d_input, dweight = rn.fused_add_rms_norm_backward(dy, d_residual_out, residual_out, weight)
 """
 
+import sys
+
+from . import _call
 from ._api import (fused_add_rms_norm, fused_add_rms_norm_backward, fused_add_rms_norm_quant, rms_norm,
                    rms_norm_backward, rms_norm_quant)
 from ._plan import BackwardPlan, LaunchPlan, backward_plan, launch_plan
@@ -15,9 +18,20 @@ from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_no
                          fused_add_rms_norm_reference, rms_norm_backward_reference, rms_norm_quant_reference,
                          rms_norm_reference)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_backward", "fused_add_rms_norm_backward",
            "rms_norm_quant", "fused_add_rms_norm_quant", "rms_norm_quant_reference", "fused_add_rms_norm_quant_reference",
            "LaunchPlan", "launch_plan", "BackwardPlan", "backward_plan",
            "rms_norm_reference", "fused_add_rms_norm_reference",
            "rms_norm_backward_reference", "fused_add_rms_norm_backward_reference", "__version__"]
+
+
+def _load_torch_ops():
+    """Register the torch ops, which routes calls made while torch.compile traces to them
+    (the call flow asks for this at the first torch tensor; it never imports torch itself)."""
+    from . import _torch_ops  # noqa: F401 - the import registers them and installs the tracing hook
+
+
+_call.load_torch_ops = _load_torch_ops
+if sys.modules.get("torch") is not None:   # torch is in use: tracing must find the ops from the start
+    _load_torch_ops()

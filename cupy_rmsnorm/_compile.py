@@ -1,87 +1,63 @@
-"""Compiling the CUDA templates: the source, NVRTC's options, and the per-device cache
-of compiled kernels.
+"""Compiling the CUDA templates: the programs, NVRTC's options, and the per-device cache of
+compiled kernels.
 
-Two programs: ``"forward"`` is ``kernels/rms_norm.cu`` (two templates: a block or a group
-per row, and a cluster per row); ``"backward"`` is that file followed by
-``kernels/rms_norm_backward.cu`` (the backward kernels, register and staged, and the dweight reduction, which use
-the forward's helpers). Each (storage type, weight type, fused, vector width, threads per
-row, vectors per thread, edges, cluster size) is an instantiation, compiled the first time
-a call needs it on a device (CuPy's disk cache keeps the binary across processes) and kept
-in ``kernel_cache`` as a launchable function.
+Each program is one file of ``kernels/`` (``"forward"``: ``rms_norm.cu``, the plain, fused
+and quantized forward kernels; ``"backward"``: ``rms_norm_backward.cu``), which includes the
+shared device code (``*.cuh``) through NVRTC's include path. Each (storage type, weight type,
+plan, ...) is an instantiation, compiled the first time a call needs it on a device and
+kept in ``kernel_cache`` as a launchable function. CuPy's disk cache keeps the binaries
+across processes; its key covers a program's own text and the options, not the headers it
+includes, so the options carry a digest of every file in ``kernels/``: a changed header
+never brings back a stale binary.
 """
 
 import functools
 import glob
+import hashlib
 import os
 import threading
 
-CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-# kernels/rms_norm.cu: enum QuantForm and enum QuantType, the quantized kernels' FORM and QTYPE
-# (a CPU test reads both sides)
-QUANT_FORMS = {"static": 1, "per_token": 2, "per_group": 3}
-QUANT_TYPES = {"float8_e4m3fn": 0, "float8_e5m2": 1, "int8": 2}
 # -default-device: NVRTC takes a generic lambda's call operator for host code unless unannotated
 # functions default to the device (kernels/rms_norm_backward.cu passes the backward's flags to
 # one as compile-time constants); every function of the kernels is annotated anyway.
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_bf16.h"
 
-
-PROGRAMS = {"forward": ("rms_norm.cu",), "backward": ("rms_norm.cu", "rms_norm_backward.cu")}
-
-
-def _read_kernel_file(name):
-    """One file of kernels/, from the installed package or the source tree."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for folder in (os.path.join(here, "kernels"), os.path.join(os.path.dirname(here), "kernels")):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    raise FileNotFoundError(f"cupy_rmsnorm: kernels/{name} is missing from the installation")
+PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu"}
+KERNEL_SUFFIXES = (".cu", ".cuh")
 
 
 @functools.lru_cache(maxsize=None)
+def kernels_dir():
+    """The folder of the CUDA sources: the installed package's ``cupy_rmsnorm/kernels``, or
+    the source tree's ``kernels/``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in (os.path.join(here, "kernels"), os.path.join(os.path.dirname(here), "kernels")):
+        if os.path.isfile(os.path.join(folder, PROGRAMS["forward"])):
+            return folder
+    raise FileNotFoundError("cupy_rmsnorm: the kernels folder is missing from the installation")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_file(name):
+    """The text of one file of kernels/ (a program or a header)."""
+    with open(os.path.join(kernels_dir(), name), encoding="utf-8") as f:
+        return f.read()
+
+
 def kernel_source(program="forward"):
-    """The CUDA source text of a program (its files joined in order)."""
-    return "\n".join(_read_kernel_file(name) for name in PROGRAMS[program])
+    """The CUDA source text of a program (its file; the headers come through the include path)."""
+    return kernel_file(PROGRAMS[program])
 
 
-def instantiation_name(dtype, weight_dtype, fused, plan):
-    """The C++ name of the instantiation a LaunchPlan needs, as NVRTC's name_expressions want it."""
-    t = CUDA_TYPES[dtype]
-    w = CUDA_TYPES[weight_dtype or dtype]
-    args = ", ".join(str(a) for a in plan.template_args())
-    kernel = "rms_norm_cluster_kernel" if plan.cluster > 1 else "rms_norm_kernel"
-    return f"rmsnorm::{kernel}<{t}, {w}, {'true' if fused else 'false'}, {args}>"
-
-
-def quant_instantiation_name(dtype, weight_dtype, fused, plan, form, quant_dtype):
-    """The name expression of the quantized kernel (``form`` a QUANT_FORMS key, ``quant_dtype`` a
-    QUANT_TYPES key) a LaunchPlan needs."""
-    args = ", ".join(str(a) for a in plan.template_args())
-    kernel = "rms_norm_quant_cluster_kernel" if plan.cluster > 1 else "rms_norm_quant_kernel"
-    flat = "" if plan.cluster > 1 else ", true" if plan.flat else ", false"     # FLAT: not with clusters
-    return (f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, "
-            f"{'true' if fused else 'false'}, {args}, {QUANT_FORMS[form]}, {QUANT_TYPES[quant_dtype]}{flat}>")
-
-
-def backward_instantiation_name(dtype, weight_dtype, plan, flags=None):
-    """The name expression of the backward kernel a BackwardPlan needs (program "backward");
-    the row kernel's also has its ``flags`` (``_launcher.row_kernel_flags``) compiled in."""
-    args = ", ".join(str(a) for a in plan.template_args())
-    if plan.variant == "row":
-        if flags is None:
-            raise ValueError("the row kernel's instantiation needs its flags")
-        args += f", {flags}"
-    kernel = {"staged": "rms_norm_backward_staged_kernel", "row": "rms_norm_backward_row_kernel"}.get(
-        plan.variant, "rms_norm_backward_kernel")
-    return f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, {args}>"
-
-
-def reduce_instantiation_name(weight_dtype):
-    """The name expression of the dweight reduction writing ``weight_dtype`` (program "backward")."""
-    return f"rmsnorm::rms_norm_backward_reduce_kernel<{CUDA_TYPES[weight_dtype]}>"
+@functools.lru_cache(maxsize=None)
+def kernels_digest():
+    """A digest of every source file in kernels/, names and contents (see the module docstring)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(kernels_dir())):
+        if name.endswith(KERNEL_SUFFIXES):
+            h.update(name.encode() + b"\0" + kernel_file(name).encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _has_header(folder):
@@ -146,7 +122,10 @@ def cuda_include_dirs(nvrtc_major=None):
 
 
 def nvrtc_options(nvrtc_major=None):
-    return NVRTC_OPTIONS + tuple("-I" + d for d in cuda_include_dirs(nvrtc_major))
+    """The library's NVRTC options: its own, the kernels folder and the CUDA headers on the
+    include path, and the kernels' digest (a define no source reads: it keys the disk cache)."""
+    return (NVRTC_OPTIONS + ("-I" + kernels_dir(), f"-DCUPY_RMSNORM_KERNELS={kernels_digest()}")
+            + tuple("-I" + d for d in cuda_include_dirs(nvrtc_major)))
 
 
 class KernelCache:
@@ -192,7 +171,7 @@ def compile_offline(names, arch, program="forward", extra_options=(), log=None):
     raises RuntimeError with NVRTC's log on a compile error.
     """
     from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(kernel_source(program), PROGRAMS[program][-1], [], [])
+    prog = nvrtc.createProgram(kernel_source(program), PROGRAMS[program], [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)

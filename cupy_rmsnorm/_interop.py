@@ -54,6 +54,11 @@ class NumpyKind(_PlainKind):
     def contiguous(a):
         return np.ascontiguousarray(a)
 
+    @staticmethod
+    def native(a):
+        """``a`` in its machine's byte order (a copy only when it is not already)."""
+        return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
 
 class CupyKind(_PlainKind):
     """CuPy arrays: launched on CuPy's current stream. The Launcher has made the arrays'

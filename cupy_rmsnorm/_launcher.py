@@ -1,110 +1,41 @@
-"""The launch itself, and the per-signature cache that keeps repeated calls thin.
+"""The launchers: everything about a call that does not depend on its arrays' addresses,
+kept per call signature (``_cache``), and the launch itself.
 
-A ``Launcher`` is built from a call's ``CallLayout``, ``Scalars`` and array kind: it
-holds everything about a call that does not depend on the arrays' addresses (kernel
-parameters, row strides, memory extents relative to each base pointer). The first call
-with a given signature (kinds, shapes, strides, dtypes, device, scalars) goes through
-the full validation in ``_api`` and leaves its Launcher in this module's cache
-(``remember``, read by ``_api``); later calls with that signature only read the pointers,
-check what depends on them (alignment, vector width, overlap of given outputs with
-inputs), allocate missing outputs and launch. Whatever those cheap checks cannot
-settle returns ``None``, and the caller takes the full path.
-
-Kernels are launched through the driver (``_driver``) on the caller's stream: five
-pointer slots and the ``Params`` struct live in one host buffer per Launcher, so a call
-writes five integers and launches (CuPy's generic argument packing costs several
-times that).
+A launcher is built from a validated call's layout, scalars and array kind. Calling it
+with the arrays reads their pointers, checks what depends on them (alignment, the vector
+width they allow, overlap of given outputs with what they must keep apart from),
+allocates missing outputs and launches on the caller's stream; whatever those cheap checks
+cannot settle returns ``None``, and the caller takes the full path. ``Launcher`` (rms_norm
+and the fused op) and ``QuantLauncher`` (their quantized forms) share the launch tail
+(``_launch``): the kernel's pointer slots and its Params live in one host buffer per
+launcher, so a repeated call writes its pointers and launches through the driver
+(``_driver``), with no argument packing of CuPy's. ``BackwardLauncher`` launches the
+backward's dx kernel and its dweight reduction.
 """
 
-import contextlib
 import ctypes
 import struct
 import threading
 
 import numpy as np
 
-from . import _driver
-from ._compile import (backward_instantiation_name, instantiation_name, kernel_cache, quant_instantiation_name,
-                       reduce_instantiation_name)
+from . import _cache, _driver
+from ._abi import (ADD_GRAD, BACKWARD_PARAMS_DTYPE, DIRECT_WEIGHT, EARLY_TRIGGER, HAS_WEIGHT, LLAMA, PARAMS_DTYPE,
+                   QUANT_PARAMS_DTYPE, REDUCE_BLOCK, REDUCE_COLUMNS, REDUCE_PARAMS_DTYPE, WEIGHT_GRAD,
+                   backward_instantiation_name, instantiation_name, kernel_weight_offset, quant_instantiation_name,
+                   reduce_instantiation_name, row_kernel_flags)
+from ._compile import kernel_cache
 from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, SCALE, SCALES, WEIGHT, X, new_scales
 from ._plan import (backward_plan, backward_refit_keywords, early_trigger, fits_32_bit_offsets, launch_plan,
                     vector_width_from_bits)
 
-# kernels/rms_norm.cu: enum Flags and struct Params (eight-byte fields first, no padding;
-# the kernel asserts the same size, and a CPU test reads both sides).
-FLAGS = {"kLlama": 1, "kHasWeight": 2, "kEarlyTrigger": 4}
-LLAMA, HAS_WEIGHT, EARLY_TRIGGER = FLAGS["kLlama"], FLAGS["kHasWeight"], FLAGS["kEarlyTrigger"]
-PARAMS_BYTES = 96
-PARAMS_DTYPE = np.dtype([
-    ("rows", "<i8"), ("n_inner", "<i8"),
-    ("x", "<i8", (2,)), ("residual", "<i8", (2,)), ("out", "<i8", (2,)), ("residual_out", "<i8", (2,)),
-    ("hidden", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"),
-])
-assert PARAMS_DTYPE.itemsize == PARAMS_BYTES
 _ROW_STRIDE_FIELDS = {X: "x", RESIDUAL: "residual", OUT: "out", RESIDUAL_OUT: "residual_out"}
-KERNEL_POINTERS = (X, RESIDUAL, OUT, RESIDUAL_OUT, WEIGHT)   # the kernel's pointer arguments, in order
+KERNEL_POINTERS = (X, RESIDUAL, OUT, RESIDUAL_OUT, WEIGHT)   # the forward kernel's pointer arguments, in order
 _SLOT = {k: i for i, k in enumerate(KERNEL_POINTERS)}
-_pack_pointers = struct.Struct("<5Q").pack_into
+# the quantized kernel's: x, residual, q, residual_out, weight, scale, scales
+_QUANT_SLOT = {**_SLOT, SCALE: 5, SCALES: 6}
 
 
-def kernel_weight_offset(scalars):
-    """The offset the kernels add to the weights: -0 for an offset of 0, since w + -0 is w for
-    every w (-0 included), so the weight is used as it is (_reference.offset_weight)."""
-    return scalars.weight_offset or -0.0
-
-
-# -- the cache ---------------------------------------------------------------------------
-_MAX_LAUNCHERS = 1024
-launches = {}            # call signature -> its Launcher's entry (never rebound: _api holds .get)
-last_hit = (None, None)  # (signature, entry) of the latest lookup that found one: _api compares with it
-                         # first (decode's norms share a signature), which skips the hash; one tuple, so
-                         # a thread never reads one call's signature with another's entry
-_plan_overrides = {}     # forced_plan(): launch_plan keyword arguments for new plans
-_plan_record = None      # forced_plan(record=...): a list each new plan is appended to
-
-
-def remember(signature, launcher):
-    """Keep ``launcher`` for calls of ``signature`` (not when the signature is unhashable). Its
-    entry is kept, a bound method: calling it skips the lookup that calling the object does."""
-    try:
-        hash(signature)
-    except TypeError:
-        return
-    if len(launches) >= _MAX_LAUNCHERS:
-        launches.clear()
-    launches[signature] = launcher.entry
-
-
-def clear_cache():
-    """Forget every Launcher (each next call validates and plans anew)."""
-    global last_hit
-    last_hit = (None, None)
-    launches.clear()
-    _backward_cache.clear()
-    _backward_signatures.clear()
-
-
-@contextlib.contextmanager
-def forced_plan(record=None, **overrides):
-    """Within the block, every new plan gets ``overrides`` as launch_plan keyword arguments
-    (threads_per_row=, vecs_per_thread=, cluster=, flat=) and is appended to ``record`` if given.
-    The cache is cleared on entry and exit, so calls plan anew. For tests and sweeps."""
-    global _plan_record
-    saved = dict(_plan_overrides), _plan_record
-    _plan_overrides.clear()
-    _plan_overrides.update(overrides)
-    _plan_record = record
-    clear_cache()
-    try:
-        yield
-    finally:
-        _plan_overrides.clear()
-        _plan_overrides.update(saved[0])
-        _plan_record = saved[1]
-        clear_cache()
-
-
-# -- one signature -----------------------------------------------------------------------
 def _apart(a, extent_a, b, extent_b, same_ok):
     """A pair of pointer slots that must not overlap, as (a, b, low, high, same_ok): arrays a
     and b span [pa + lo_a, pa + hi_a) and [pb + lo_b, pb + hi_b) (byte extents relative to
@@ -115,10 +46,12 @@ def _apart(a, extent_a, b, extent_b, same_ok):
 
 
 class Launcher:
-    """Launches one call signature; see the module docstring."""
+    """Launches one signature of rms_norm or fused_add_rms_norm (rms_norm_kernel and its
+    cluster form); called with the five of ``Arrays``."""
 
     quant_form = None      # QuantLauncher: the quantized form its plans are made for
     flat = False           # QuantLauncher: whether its rows fit 32-bit offsets (fits_32_bit_offsets)
+    slots = 5              # pointer arguments
 
     def __init__(self, layout, scalars, kind):
         self.kind, self.layout, self.fused = kind, layout, layout.fused
@@ -144,10 +77,11 @@ class Launcher:
         params["eps"], params["weight_offset"] = scalars.eps, kernel_weight_offset(scalars)
         params["flags"] = (LLAMA if scalars.llama else 0) | (HAS_WEIGHT if layout.weight_dtype else 0)
         self.params = params               # each plan gets a copy with its own trigger flag
-        self._slots = bytearray(8 * 5)     # the five pointer arguments, written per call
+        self._slots = bytearray(8 * self.slots)     # the pointer arguments, written per call
         self._slots_base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
+        self._pack = struct.Struct(f"<{self.slots}Q").pack_into
         self._by_vec = {}
-        self._by_low_bits = {}      # low 4 bits of x's address and differences -> (KernelLaunch, argv)
+        self._by_low_bits = {}      # low 4 bits of x's address and differences -> (KernelLaunch, argv, held)
         self.fresh_residual_out = self.fused and RESIDUAL_OUT not in self.given_outputs
         self._overlap_pairs = self._pairs_to_keep_apart(layout)
         self._item_mask = self.itemsize - 1                      # itemsizes are powers of two
@@ -156,7 +90,7 @@ class Launcher:
         self._empty = kind.empty_getter(layout.row_strides[X], layout.n_inner, layout.hidden)
         self._stream = kind.stream
         self._device_index = self.device.index
-        self._lock = threading.Lock()   # the slots are shared: one launch at a time per Launcher
+        self._lock = threading.Lock()   # the slots are shared: one launch at a time per launcher
         from cupy import cuda
         self._get_device, self._device_context = cuda.runtime.getDevice, cuda.Device
         # with one visible device, the current device is the arrays' (no query per call), so
@@ -187,14 +121,13 @@ class Launcher:
             d = self.device
             plan = launch_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, self.fused,
                                edges=edges, max_cluster=d.max_cluster, quant=self.quant_form,
-                               **{"flat": self.flat, **_plan_overrides})
-            if _plan_record is not None:
-                _plan_record.append(plan)
+                               **{"flat": self.flat, **_cache.plan_overrides})
+            _cache.record_plan(plan)
             entry = self._by_vec[(vec, edges)] = (plan, self.function(plan))
         return entry
 
     def plan_flags(self, plan, fn):
-        """Params.flags for a plan: the Launcher's, plus when to allow the next kernel."""
+        """Params.flags for a plan: the launcher's, plus when to allow the next kernel."""
         from cupy_backends.cuda.api import driver
         _driver.ensure_context(self.device.index)   # a driver call: this thread may have none yet
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
@@ -224,10 +157,28 @@ class Launcher:
 
     def _kernel_args(self, params):
         """The kernelParams addresses: the pointer slots, then Params."""
-        return [self._slots_base + 8 * i for i in range(len(self._slots) // 8)] + [params.ctypes.data]
+        return [self._slots_base + 8 * i for i in range(self.slots)] + [params.ctypes.data]
+
+    def _launch(self, bits, px, pointers):
+        """The launch tail: the kernel for these address bits (planned and compiled on first
+        use), ``pointers`` written into the slots, the launch on the caller's current stream."""
+        key = (bits & 15) | ((px & 15) << 4)              # all that decides vector width and edges
+        entry = self._by_low_bits.get(key)
+        if entry is None:
+            entry = self._by_low_bits[key] = self._launch_entry(bits, px)
+        kernel, argv, _ = entry
+        stream = self._stream(self._device_index)
+        lock = self._lock        # acquire and release: cheaper than a with statement's protocol
+        lock.acquire()
+        try:
+            self._pack(self._slots, 0, *pointers)
+            if kernel.stream != stream or kernel.ex is None or kernel.ex(argv, None):
+                _driver.launch(self.device, kernel, stream, argv)    # a new stream, plain, or an error
+        finally:
+            lock.release()
 
     def __call__(self, arrays, checked=False):
-        """Launch on ``arrays`` (the five in ``Arrays`` order, None where absent).
+        """Launch on ``arrays`` (None where absent).
 
         Returns the result, or None when the full path must decide (nothing was done).
         ``checked``: the full path has just validated these very arrays. Grad mode and
@@ -264,27 +215,13 @@ class Launcher:
         else:
             result = out
             bits = self.stride_bits | (po - px)
-        if self.rows == 0:
-            return result
-        key = (bits & 15) | ((px & 15) << 4)              # all that decides vector width and edges
-        entry = self._by_low_bits.get(key)
-        if entry is None:
-            entry = self._by_low_bits[key] = self._launch_entry(bits, px)
-        kernel, argv, _ = entry
-        stream = self._stream(self._device_index)
-        lock = self._lock        # acquire and release: cheaper than a with statement's protocol
-        lock.acquire()
-        try:
-            _pack_pointers(self._slots, 0, px, pr, po, pro, pw)
-            if kernel.stream != stream or kernel.ex is None or kernel.ex(argv, None):
-                _driver.launch(self.device, kernel, stream, argv)    # a new stream, plain, or an error
-        finally:
-            lock.release()
+        if self.rows:
+            self._launch(bits, px, (px, pr, po, pro, pw))
         return result
 
     def _overlapping(self, pointers):
         """Whether a given output overlaps what it must keep apart from (``pointers``: by
-        slot; KERNEL_POINTERS order); being the very same array is allowed for an input."""
+        slot); being the very same array is allowed for an input."""
         for a, b, low, high, same_ok in self._overlap_pairs:
             d = pointers[b] - pointers[a]
             if low < d < high and not (same_ok and d == 0):
@@ -292,21 +229,12 @@ class Launcher:
         return False
 
 
-# -- quantized forms ---------------------------------------------------------------------------
-# kernels/rms_norm.cu: struct QuantParams (the kernel asserts the size, a CPU test reads both sides)
-QUANT_PARAMS_BYTES = 24
-QUANT_PARAMS_DTYPE = np.dtype([("scales_row", "<i8"), ("scales_group", "<i8"), ("scale_ub", "<f4"),
-                               ("pad", "<i4")])
-assert QUANT_PARAMS_DTYPE.itemsize == QUANT_PARAMS_BYTES
-# the quantized kernel's pointer arguments: x, residual, q, residual_out, weight, scale, scales
-_QSLOT = {**_SLOT, SCALE: 5, SCALES: 6}
-_pack_quant_pointers = struct.Struct("<7Q").pack_into
-
-
 class QuantLauncher(Launcher):
     """Launches one signature of a quantized call (rms_norm_quant_kernel): a Launcher whose out
     is q (one byte an element, of x's row layout), with the static scale and the scales as two
     more pointers and QuantParams after Params. Called with the seven of QuantArrays."""
+
+    slots = 7
 
     def __init__(self, layout, scalars, kind, spec):
         super().__init__(layout.call, scalars, kind)
@@ -324,8 +252,6 @@ class QuantLauncher(Launcher):
         self.flat = fits_32_bit_offsets(self.rows, self.hidden, int(params["n_inner"]),
                                         [int(params[_ROW_STRIDE_FIELDS[k]][0]) for k in _ROW_STRIDE_FIELDS],
                                         layout.scales_strides, layout.scales_shape[-1])
-        self._slots = bytearray(8 * 7)
-        self._slots_base = ctypes.addressof(ctypes.c_char.from_buffer(self._slots))
         shape, q_dtype = layout.call.shape, kind.quant_storage(spec.quant_dtype)
         self._new_q = lambda x: kind.empty_of(x, shape, q_dtype)
         self._new_scales = lambda x: new_scales(lambda s: kind.empty_of(x, s, "float32"), layout.form,
@@ -334,8 +260,8 @@ class QuantLauncher(Launcher):
 
     @staticmethod
     def _quant_pairs(layout):
-        """As _pairs_to_keep_apart, over the seven arrays (slots in _QSLOT order): each given
-        output against the inputs present and the given outputs before it."""
+        """As _pairs_to_keep_apart, over the seven arrays (slots in _QUANT_SLOT order): each
+        given output against the inputs present and the given outputs before it."""
         call = layout.call
         ext = list(call.extents) + [layout.scale_extent, layout.scales_extent]
         st = call.row_strides
@@ -345,7 +271,7 @@ class QuantLauncher(Launcher):
         for n, o in enumerate(given):
             for k in inputs + given[:n]:
                 same_ok = o == RESIDUAL_OUT and k in (X, RESIDUAL) and st[o] == st[k]
-                pairs.append(_apart(_QSLOT[o], ext[o], _QSLOT[k], ext[k], same_ok))
+                pairs.append(_apart(_QUANT_SLOT[o], ext[o], _QUANT_SLOT[k], ext[k], same_ok))
         return tuple(pairs)
 
     def function(self, plan):
@@ -358,7 +284,7 @@ class QuantLauncher(Launcher):
 
     def _run(self, arrays, checked=False):
         ptr, itemsize = self._ptr, self.itemsize
-        slots = [0] * 7                                   # the kernel's pointers, in _QSLOT order
+        slots = [0] * 7                                   # the kernel's pointers, in _QUANT_SLOT order
         x = arrays[X]
         slots[0] = px = ptr(x)
         bits, misaligned = self.stride_bits, px % itemsize
@@ -393,123 +319,14 @@ class QuantLauncher(Launcher):
             scales = self._new_scales(x)
             slots[6] = ptr(scales)
         result = (q, residual_out, scales) if self.fused else (q, scales)
-        if self.rows == 0:
-            return result
         if self.group:                                    # groups need rows on the vector grid: no head
             bits |= px | self.x_stride_bytes
-        key = (bits & 15) | ((px & 15) << 4)
-        entry = self._by_low_bits.get(key)
-        if entry is None:
-            entry = self._by_low_bits[key] = self._launch_entry(bits, px)
-        kernel, argv, _ = entry
-        stream = self._stream(self._device_index)
-        lock = self._lock
-        lock.acquire()
-        try:
-            _pack_quant_pointers(self._slots, 0, *slots)
-            if kernel.stream != stream or kernel.ex is None or kernel.ex(argv, None):
-                _driver.launch(self.device, kernel, stream, argv)
-        finally:
-            lock.release()
+        if self.rows:
+            self._launch(bits, px, slots)
         return result
 
 
 # -- backward ----------------------------------------------------------------------------------
-# kernels/rms_norm_backward.cu: enum BackwardFlags, struct BackwardParams and ReduceParams
-# (eight-byte fields first, no padding; the kernel asserts the sizes, a CPU test reads both sides).
-BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16, "kDirectWeight": 32,     # with FLAGS' kLlama and kHasWeight
-                  "kUnitRows": 64, "kWeightVectors": 128}                      # the row kernel's promises
-ADD_GRAD, WEIGHT_GRAD, DIRECT_WEIGHT, UNIT_ROWS, WEIGHT_VECTORS = (
-    BACKWARD_FLAGS[k] for k in ("kAddGrad", "kWeightGrad", "kDirectWeight", "kUnitRows", "kWeightVectors"))
-BACKWARD_PARAMS_BYTES = 112
-BACKWARD_PARAMS_DTYPE = np.dtype([
-    ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
-    ("dy", "<i8", (2,)), ("x", "<i8", (2,)), ("d_residual_out", "<i8", (2,)), ("dx", "<i8", (2,)),
-    ("hidden", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"),
-    ("stages", "<i4"), ("unused", "<i4"),
-])
-assert BACKWARD_PARAMS_DTYPE.itemsize == BACKWARD_PARAMS_BYTES
-
-
-def row_kernel_flags(flags, unit_rows, weight_vectors):
-    """The template FLAGS of rms_norm_backward_row_kernel for a call's BackwardParams flags:
-    kLlama only where it matters (dweight), and the promises that hold: ``unit_rows`` (n_inner
-    is 1) and ``weight_vectors`` (rows without edges and a weight aligned to its vectors)."""
-    if not flags & WEIGHT_GRAD:
-        flags &= ~LLAMA
-    if unit_rows:
-        flags |= UNIT_ROWS
-    if weight_vectors and flags & HAS_WEIGHT:
-        flags |= WEIGHT_VECTORS
-    return flags
-
-
-REDUCE_PARAMS_BYTES = 16
-REDUCE_PARAMS_DTYPE = np.dtype([("partials", "<i8"), ("hidden", "<i8")])
-assert REDUCE_PARAMS_DTYPE.itemsize == REDUCE_PARAMS_BYTES
-REDUCE_COLUMNS, REDUCE_BLOCK = 32, 256      # the reduction kernel's REDUCE_COLUMNS and block
-
-_backward_cache = {}     # (BackwardLayout, Scalars, kind) -> BackwardLauncher
-_backward_overrides = {}  # forced_backward_plan(): backward_plan keyword arguments
-
-
-@contextlib.contextmanager
-def forced_backward_plan(record=None, **overrides):
-    """forced_plan for the backward: new backward plans get ``overrides`` as backward_plan
-    keyword arguments (threads_per_row=, vecs_per_thread=, staged=, stages=, rows_per_step=,
-    max_blocks_per_sm=: a cap below the kernel's occupancy) and go to
-    ``record`` if given."""
-    global _plan_record
-    saved = dict(_backward_overrides), _plan_record
-    _backward_overrides.clear()
-    _backward_overrides.update(overrides)
-    _plan_record = record
-    _backward_cache.clear()
-    _backward_signatures.clear()
-    try:
-        yield
-    finally:
-        _backward_overrides.clear()
-        _backward_overrides.update(saved[0])
-        _plan_record = saved[1]
-        _backward_cache.clear()
-        _backward_signatures.clear()
-
-
-_backward_signatures = {}   # _interop.signature of a backward call -> its BackwardLauncher
-
-
-def backward_lookup(signature):
-    """The BackwardLauncher remembered for a backward call's signature, or None."""
-    if signature is None:
-        return None
-    try:
-        return _backward_signatures.get(signature)
-    except TypeError:        # an unhashable part (an odd eps, say): no fast path
-        return None
-
-
-def backward_remember(signature, launcher):
-    if signature is None:
-        return
-    if len(_backward_signatures) >= _MAX_LAUNCHERS:
-        _backward_signatures.clear()
-    try:
-        _backward_signatures[signature] = launcher
-    except TypeError:
-        pass
-
-
-def backward_launcher(layout, scalars, kind):
-    """The BackwardLauncher of a backward call's layout (kept: plans, kernels, occupancy)."""
-    key = (layout, scalars, kind)
-    launcher = _backward_cache.get(key)
-    if launcher is None:
-        if len(_backward_cache) >= _MAX_LAUNCHERS:
-            _backward_cache.clear()
-        launcher = _backward_cache[key] = BackwardLauncher(layout, scalars, kind)
-    return launcher
-
 
 def _argv(values):
     """A kernelParams array for ``values`` (pointers as ints, or NumPy records): the array
@@ -524,11 +341,11 @@ _MAX_DYNAMIC_SHARED, _STATIC_SHARED = 8, 1
 
 
 class BackwardLauncher:
-    """Launches the backward of one layout: the dx kernel, then the dweight reduction.
+    """Launches the backward of one signature: the dx kernel, then the dweight reduction.
 
-    Unlike the forward, a backward call is validated in full every time (it is not on an
-    inference hot path); what is kept per layout is the planning, compiling and occupancy
-    work, per vector width and edges."""
+    Kept per signature (as the forward's launchers) are the planning, compiling and
+    occupancy work, per vector width and edges; a call builds its arguments afresh (it
+    allocates dx, dweight and the partial rows anyway)."""
 
     def __init__(self, layout, scalars, kind):
         self.kind, self.layout = kind, layout
@@ -568,13 +385,13 @@ class BackwardLauncher:
         if entry is None:
             d = self.device
             fixed = dict(edges=edges, arrays=3 if self.layout.row_strides.d_residual_out is not None else 2,
-                         shared_per_sm=d.shared_per_sm, shared_per_block=d.shared_per_block, **_backward_overrides)
+                         shared_per_sm=d.shared_per_sm, shared_per_block=d.shared_per_block,
+                         **_cache.backward_overrides)
             cap = fixed.pop("max_blocks_per_sm", None)      # forced: at most this many blocks an SM
             plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, max_blocks_per_sm=cap,
                                  **fixed)
             if plan.variant == "row":       # one row a block at any occupancy: nothing to refit
-                if _plan_record is not None:
-                    _plan_record.append(plan)
+                _cache.record_plan(plan)
                 entry = self._by_vec[(vec, edges)] = (plan, None)
                 return entry
             name = backward_instantiation_name(self.layout.dtype, self.layout.weight_dtype, plan)
@@ -590,8 +407,7 @@ class BackwardLauncher:
                 fixed.setdefault(key, value)
             plan = backward_plan(self.rows, self.hidden, self.itemsize, vec, d.sm_count, max_blocks_per_sm=per_sm,
                                  **fixed)
-            if _plan_record is not None:
-                _plan_record.append(plan)
+            _cache.record_plan(plan)
             kernel = _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block, plan.shared_bytes)
             entry = self._by_vec[(vec, edges)] = (plan, kernel)
         return entry

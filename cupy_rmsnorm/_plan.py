@@ -23,7 +23,7 @@ MAX_VECS_PER_THREAD_FUSED = 2
 MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK = 2
 QUANT_FORMS = (None, "static", "per_token", "per_group")
 QUANT_GROUP = 128          # elements per scale of the per-group form
-# Choices below were measured on an H200 (benchmarks/NOTES.md, benchmarks/results/sweep_plans.csv).
+# The choices below were measured on an H200 (docs/design.md gives the evidence).
 FEW_ROWS = 256             # up to here latency rules: one vector per thread, clusters for long rows
 FEW_ROWS_BLOCK = 512       # ... in blocks of up to 512 threads (then two vectors a thread: 1024-thread
                            # blocks reduce the canonical tree over 32 warps, measured slower)
@@ -34,7 +34,7 @@ CLUSTER_MIN_MAJOR = 9      # thread-block clusters: sm_90 and later
 # The quantized kernels' 32-bit row offsets (FLAT): fewer instructions a row, measured 0.90-0.96 of
 # the time at 256 x 4096 and 0.93-1.00 past it, but 1.00-1.07 at one row a call (where the 64-bit
 # index work before the wait for the previous kernel was hidden): only for grids of more blocks
-# than SMs; and not for the fused per-token form, 0.97-1.05 (launch_plan; benchmarks/NOTES.md 29).
+# than SMs; and not for the fused per-token form, 0.97-1.05 (launch_plan).
 FLAT_OFFSET_LIMIT = 2 ** 31
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ class LaunchPlan:
     flat: bool = False
 
     def template_args(self):
-        """The kernel template's arguments after <T, W, FUSED>: VEC, G, NV, EDGES (and C)."""
+        """The kernel template's arguments after <T, W, FUSED>: VEC, THREADS_PER_ROW,
+        VECS_PER_THREAD, EDGES (and CLUSTER)."""
         args = (self.vec, self.threads_per_row, self.vecs_per_thread, "true" if self.edges else "false")
         return args + (self.cluster,) if self.cluster > 1 else args
 
@@ -159,7 +160,7 @@ def early_trigger(grid, sm_count, blocks_per_sm):
     dependent launch) rather than as each block finishes. Early overlaps the most, but when
     this grid fills less than a wave yet more than one block per SM, the next kernel's
     blocks would crowd onto the SMs that free up first (H200: up to 35% slower when the
-    kernel fits more blocks per SM than it needs; benchmarks/NOTES.md)."""
+    kernel fits more blocks per SM than it needs)."""
     return grid <= sm_count or grid >= blocks_per_sm * sm_count
 
 
@@ -214,30 +215,30 @@ def launch_plan(rows, hidden, itemsize, vec, sm_count, fused=False, *, edges=Tru
         raise ValueError(f"quant='per_group' needs edges=False and hidden a multiple of {QUANT_GROUP}")
     _check_forced(threads_per_row, vecs_per_thread, cluster)
     n = _ceil_div(hidden, vec)          # vectors per row: the tail's partial vector has an owner
-    max_nv = MAX_VECS_PER_THREAD_FUSED if fused else MAX_VECS_PER_THREAD
-    g, c = group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster)
-    g, c = threads_per_row or g, cluster or c
+    max_vecs = MAX_VECS_PER_THREAD_FUSED if fused else MAX_VECS_PER_THREAD
+    threads, c = group_and_cluster(rows, n, fused, sm_count, max_cluster, cluster)
+    threads, c = threads_per_row or threads, cluster or c
     m = _ceil_div(n, c)                 # vectors per block
     if vecs_per_thread is not None:
-        nv = vecs_per_thread
+        vecs = vecs_per_thread
     else:
-        nv = _pow2_ceil(_ceil_div(m, g))
-        if quant == "per_token" and (g >= 512 or nv > max_nv):
-            max_nv = min(max_nv, MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK)
-        if nv > max_nv:                 # too long for registers: a full block streams it
-            g, nv = MAX_BLOCK, (_pow2_ceil(_ceil_div(m, MAX_BLOCK)) if m <= MAX_BLOCK * max_nv else 0)
-    if c > 1 and g <= WARP:
+        vecs = _pow2_ceil(_ceil_div(m, threads))
+        if quant == "per_token" and (threads >= 512 or vecs > max_vecs):
+            max_vecs = min(max_vecs, MAX_VECS_PER_THREAD_PER_TOKEN_LARGE_BLOCK)
+        if vecs > max_vecs:                 # too long for registers: a full block streams it
+            threads, vecs = MAX_BLOCK, (_pow2_ceil(_ceil_div(m, MAX_BLOCK)) if m <= MAX_BLOCK * max_vecs else 0)
+    if c > 1 and threads <= WARP:
         raise ValueError("a cluster per row needs more than 32 threads per row")
-    if nv == 0 and g <= WARP:
+    if vecs == 0 and threads <= WARP:
         raise ValueError("a streamed row needs more than 32 threads per row")
-    if nv and g * nv * c < n:
-        raise ValueError(f"{g} threads x {nv} vectors x {c} blocks do not cover a row of {n} vectors")
-    rows_per_block = WARP_VARIANT_BLOCK // g if g <= WARP else 1
+    if vecs and threads * vecs * c < n:
+        raise ValueError(f"{threads} threads x {vecs} vectors x {c} blocks do not cover a row of {n} vectors")
+    rows_per_block = WARP_VARIANT_BLOCK // threads if threads <= WARP else 1
     grid = max(1, _ceil_div(rows, rows_per_block)) * c
     if grid > GRID_ROW * MAX_GRID_Y:
         raise ValueError(f"x has too many rows for one launch ({rows})")
     flat = bool(flat) and quant is not None and not (fused and quant == "per_token") and c == 1 and grid > sm_count
-    return LaunchPlan("registers" if nv else "stream", vec, g, nv, rows_per_block, g * rows_per_block, grid,
+    return LaunchPlan("registers" if vecs else "stream", vec, threads, vecs, rows_per_block, threads * rows_per_block, grid,
                       bool(edges), c, flat)
 
 
@@ -258,11 +259,11 @@ BACKWARD_GROUPS_BLOCK = WARP_VARIANT_BLOCK   # the kernel's block when groups sh
 # memory holds.
 BACKWARD_STAGED_THREADS = 512
 # Stages a block keeps: as many as fit, up to BACKWARD_MAX_STAGES; fewer blocks an SM rather
-# than fewer stages (run R, bf16, 8192-wide rows: one block of four stages 66.1 us at 4096 rows,
+# than fewer stages (bf16, 8192-wide rows: one block of four stages 66.1 us at 4096 rows,
 # 212.3 at 16384, against two blocks of three, 69.8 and 228.4).
 BACKWARD_MAX_STAGES = 4
 # Staged only from this many rows per SM: with fewer, the ring has little to hide and the
-# register kernel was faster (runs M, R and S, bf16, rms: 1024 x 4096, 7.8 rows an SM, 14.4
+# register kernel was faster (bf16, rms: 1024 x 4096, 7.8 rows an SM, 14.4
 # vs 18.3 us; 2048 x 4096, 15.5 an SM, 26.4 staged vs 30.1; 4096 rows, 31 an SM: 40.8 vs
 # 53.3 at hidden 4096, 14.7 vs 17.5 at 1024). Between the two measured points: 12.
 BACKWARD_STAGED_MIN_ROWS_PER_SM = 12
@@ -271,18 +272,18 @@ BACKWARD_STAGED_MAX_VECS = 4         # steps per row (registers: weights and sum
 # (threads, steps) -> the geometry that takes them in pairs, from so many rows an SM.
 # - 512 x 1 (257-512 vectors) -> half the threads with two steps each: two blocks of 256 an
 #   SM, four stages. Against two blocks of 512 with a row a step (A/B): 0.95-0.99 of the time
-#   at 4096-16384 x 4096 bf16 and fp16, 0.91-0.98 for fp32 at 2048 (run KC); 0.89-0.98 at
-#   hidden 2560-3584 bf16 but fused at 3072, 1.01-1.02 (KD); at 2048 x 4096 (15.5 rows an SM)
+#   at 4096-16384 x 4096 bf16 and fp16, 0.91-0.98 for fp32 at 2048; 0.89-0.98 at
+#   hidden 2560-3584 bf16 but fused at 3072, 1.01-1.02; at 2048 x 4096 (15.5 rows an SM)
 #   0.99-1.04, hence from 24 rows an SM. Blocks of 512 a pair at a time, one an SM, were
-#   1.03-1.11x slower for rms_norm at 2048-16384 x 4096 (runs KA, KB; NOTES 33).
+#   1.03-1.11x slower for rms_norm at 2048-16384 x 4096.
 # - 128 x 1 (65-128 vectors) -> the same geometry, four blocks an SM, six stages
-#   (BACKWARD_PAIRED_STAGES), wherever rows are staged (NOTES 34).
+#   (BACKWARD_PAIRED_STAGES), wherever rows are staged.
 BACKWARD_PAIRED_GEOMETRY = {(BACKWARD_STAGED_THREADS, 1): (256, 2), (128, 1): (128, 1)}
 BACKWARD_PAIRED_MIN_ROWS_PER_SM = {(BACKWARD_STAGED_THREADS, 1): 24, (128, 1): BACKWARD_STAGED_MIN_ROWS_PER_SM}
 # The stages of a block taking rows in pairs, by its geometry (others: BACKWARD_MAX_STAGES),
 # and (BACKWARD_PAIRED_FEW_ROWS_STAGES) the fewer stages of blocks with at most so many rows:
 # 128 x 1 pairs with four stages took 0.95-0.98 of six's time at 5-10 rows a block (A/B, bf16,
-# fp16 and fp32), 0.97-1.05 at 12 (run MA), 1.02-1.09x from 16 (NOTES 34, 35).
+# fp16 and fp32), 0.97-1.05 at 12, 1.02-1.09x from 16.
 BACKWARD_PAIRED_STAGES = {(128, 1): 6}
 BACKWARD_PAIRED_FEW_ROWS_STAGES = {(128, 1): (10, 4)}
 SHARED_RESERVED_PER_BLOCK = 1024     # what CUDA keeps of each block's shared memory
@@ -327,7 +328,8 @@ class BackwardPlan:
     rows_per_step: int = 1
 
     def template_args(self):
-        """The kernel's template arguments after <T, W>: VEC, G, NV, EDGES (staged: G, NV, ROWS)."""
+        """The kernel's template arguments after <T, W>: VEC, THREADS_PER_ROW, VECS_PER_THREAD,
+        EDGES (staged: THREADS_PER_ROW, VECS_PER_THREAD, ROWS)."""
         if self.variant == "staged":
             return self.threads_per_row, self.vecs_per_thread, self.rows_per_step
         return self.vec, self.threads_per_row, self.vecs_per_thread, "true" if self.edges else "false"
@@ -344,8 +346,8 @@ def backward_geometry(hidden, vec):
     that a streamed row (no vectors kept) per block of BACKWARD_STREAM_THREADS."""
     n = max(hidden // vec, 1)
     if n <= BACKWARD_GROUP_VECTORS:
-        g = min(max(_pow2_ceil(_ceil_div(n, BACKWARD_MAX_VECS_PER_THREAD)), 8), WARP)
-        return g, _pow2_ceil(_ceil_div(n, g))
+        threads = min(max(_pow2_ceil(_ceil_div(n, BACKWARD_MAX_VECS_PER_THREAD)), 8), WARP)
+        return threads, _pow2_ceil(_ceil_div(n, threads))
     if n <= MAX_BLOCK:
         return max(_pow2_ceil(n), 2 * WARP), 1
     return BACKWARD_STREAM_THREADS, 0
@@ -355,8 +357,8 @@ def staged_geometry(hidden, vec):
     """(threads per row, steps) of a staged row: one vector per thread and step, blocks of
     64..BACKWARD_STAGED_THREADS threads."""
     n = hidden // vec
-    g = min(max(_pow2_ceil(n), 2 * WARP), BACKWARD_STAGED_THREADS)
-    return g, _ceil_div(n, g)
+    threads = min(max(_pow2_ceil(n), 2 * WARP), BACKWARD_STAGED_THREADS)
+    return threads, _ceil_div(n, threads)
 
 
 def stage_bytes(hidden, itemsize, arrays):
@@ -396,23 +398,23 @@ def backward_plan(rows, hidden, itemsize, vec, sm_count, *, edges=True, max_bloc
                         vecs_per_thread, arrays, shared_per_sm, shared_per_block, staged, stages, rows_per_step)
     if plan is not None:
         return plan
-    g, nv = backward_geometry(hidden, vec)
-    g, nv = threads_per_row or g, (nv if vecs_per_thread is None else vecs_per_thread)
-    if nv and g * nv < hidden // vec:
-        raise ValueError(f"{g} threads x {nv} vectors of {vec} elements do not cover a row of {hidden}")
-    groups = BACKWARD_GROUPS_BLOCK // g if g <= WARP else 1
-    if nv == 0 and groups > 1:
+    threads, vecs = backward_geometry(hidden, vec)
+    threads, vecs = threads_per_row or threads, (vecs if vecs_per_thread is None else vecs_per_thread)
+    if vecs and threads * vecs < hidden // vec:
+        raise ValueError(f"{threads} threads x {vecs} vectors of {vec} elements do not cover a row of {hidden}")
+    groups = BACKWARD_GROUPS_BLOCK // threads if threads <= WARP else 1
+    if vecs == 0 and groups > 1:
         raise ValueError("a streamed row needs more than 32 threads per row")
-    block = g * groups
+    block = threads * groups
     per_sm = max(1, BACKWARD_THREADS_PER_SM // block)
     if max_blocks_per_sm is not None:
         per_sm = max(1, min(per_sm, max_blocks_per_sm))
     chunk, grid = _chunks(rows, sm_count * per_sm, groups)
     # no more rows than SMs: one row a block at any occupancy, so the plan fitted to the
     # kernel's occupancy keeps this kernel
-    one_row = nv and groups == 1 and 1 <= rows <= sm_count
-    variant = "row" if one_row else "registers" if nv else "stream"
-    return BackwardPlan(variant, vec, g, nv, groups, block, chunk, grid, bool(edges))
+    one_row = vecs and groups == 1 and 1 <= rows <= sm_count
+    variant = "row" if one_row else "registers" if vecs else "stream"
+    return BackwardPlan(variant, vec, threads, vecs, groups, block, chunk, grid, bool(edges))
 
 
 def backward_refit_keywords(plan):
@@ -451,24 +453,24 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
     if edges or vec * itemsize != 16 or not shared_per_sm or n <= BACKWARD_GROUP_VECTORS:
         return refuse("sm_90 shared memory, rows of 16-byte vectors on the 16-byte grid and more than "
                       f"{BACKWARD_GROUP_VECTORS} vectors a row")
-    g, nv = staged_geometry(hidden, vec)
+    threads, vecs = staged_geometry(hidden, vec)
     if threads_per_row is not None:
-        g = threads_per_row
-        nv = _ceil_div(n, g) if vecs_per_thread is None else vecs_per_thread
-    if g <= WARP or g * nv < n:
-        raise ValueError(f"a staged row needs blocks of more than {WARP} threads covering it ({g} x {nv} "
+        threads = threads_per_row
+        vecs = _ceil_div(n, threads) if vecs_per_thread is None else vecs_per_thread
+    if threads <= WARP or threads * vecs < n:
+        raise ValueError(f"a staged row needs blocks of more than {WARP} threads covering it ({threads} x {vecs} "
                          f"vectors for {n})")
-    if nv > BACKWARD_STAGED_MAX_VECS:
+    if vecs > BACKWARD_STAGED_MAX_VECS:
         return refuse(f"at most {BACKWARD_STAGED_MAX_VECS} vectors a thread")
-    if (rows_per_step is None and threads_per_row is None and (g, nv) in BACKWARD_PAIRED_GEOMETRY
-            and rows >= BACKWARD_PAIRED_MIN_ROWS_PER_SM[(g, nv)] * sm_count):
-        (g, nv), rows_per_step = BACKWARD_PAIRED_GEOMETRY[(g, nv)], 2
+    if (rows_per_step is None and threads_per_row is None and (threads, vecs) in BACKWARD_PAIRED_GEOMETRY
+            and rows >= BACKWARD_PAIRED_MIN_ROWS_PER_SM[(threads, vecs)] * sm_count):
+        (threads, vecs), rows_per_step = BACKWARD_PAIRED_GEOMETRY[(threads, vecs)], 2
     step = rows_per_step or 1
     stage = stage_bytes(hidden, itemsize, arrays) + STAGE_BARRIER_BYTES
     static = BACKWARD_STATIC_SHARED * step
     # blocks of `step` rows at once: as many as make BACKWARD_THREADS_PER_SM threads an SM
     # with one row a step
-    per_sm = max(1, BACKWARD_THREADS_PER_SM // g // step)
+    per_sm = max(1, BACKWARD_THREADS_PER_SM // threads // step)
     if max_blocks_per_sm is not None:
         per_sm = max(1, min(per_sm, max_blocks_per_sm))
 
@@ -479,7 +481,7 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
     if not want and rows < BACKWARD_STAGED_MIN_ROWS_PER_SM * sm_count:
         return None
     least = 2 * step          # a step's rows and the next step's in flight
-    wanted = stages or (step == 2 and BACKWARD_PAIRED_STAGES.get((g, nv))) or BACKWARD_MAX_STAGES
+    wanted = stages or (step == 2 and BACKWARD_PAIRED_STAGES.get((threads, vecs))) or BACKWARD_MAX_STAGES
     while per_sm > 1 and fitting(per_sm) < wanted:
         per_sm -= 1
     if fitting(per_sm) < max(stages or 0, least):
@@ -487,7 +489,7 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
     chunk, grid = _chunks(rows, sm_count * per_sm)
     if chunk >= 2 ** 31:                  # the kernel counts a block's rows in an int
         return refuse("fewer than 2^31 rows a block")
-    few_rows, few_stages = BACKWARD_PAIRED_FEW_ROWS_STAGES.get((g, nv), (0, 0)) if step == 2 else (0, 0)
+    few_rows, few_stages = BACKWARD_PAIRED_FEW_ROWS_STAGES.get((threads, vecs), (0, 0)) if step == 2 else (0, 0)
     if chunk <= few_rows:
         wanted = min(wanted, few_stages)
     k = stages or min(fitting(per_sm), wanted)
@@ -495,4 +497,4 @@ def _staged_plan(rows, hidden, itemsize, vec, sm_count, edges, max_blocks_per_sm
         raise ValueError(f"a block that loops over rows {step} at a time needs {least} stages or more"
                          if step > 1 else "a block that loops over rows needs two stages or more")
     k = min(k, chunk)        # no more stages than rows (one stage for one row: nothing to refill)
-    return BackwardPlan("staged", vec, g, nv, 1, g, chunk, grid, False, k, k * stage, step)
+    return BackwardPlan("staged", vec, threads, vecs, 1, threads, chunk, grid, False, k, k * stage, step)

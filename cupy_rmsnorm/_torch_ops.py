@@ -38,16 +38,18 @@ Each has a fake implementation (outputs of the right shape and dtype, no data), 
 dynamo traces a call as one node, inductor schedules around it and CUDA graphs capture
 it. The real implementations are the library's direct path. In eager mode the public
 functions keep that direct path (the dispatcher costs microseconds a call); while
-torch.compile traces, ``cupy_rmsnorm.rms_norm`` / ``fused_add_rms_norm`` call these ops
-instead (``call``). Importing this module imports torch; ``import cupy_rmsnorm`` does it
-when torch is already loaded, or when the first torch tensor arrives.
+torch.compile traces, the public functions call these ops instead (``call``,
+``call_quant``): importing this module installs them into the call flow
+(``_call.install_torch``), which never imports this module itself. Importing it imports
+torch; ``import cupy_rmsnorm`` does it when torch is already loaded, the first torch tensor
+a call meets does it otherwise, and so does ``import cupy_rmsnorm.torch``.
 """
 
 from typing import Optional
 
 import torch
 
-from . import _api, _interop
+from . import _call, _interop
 from ._layout import Arrays, BackwardArrays, new_scales
 from ._validate import check_arrays, check_backward_arrays, check_quant, check_quant_arrays, check_scalars
 
@@ -56,7 +58,7 @@ Tensor = torch.Tensor
 
 def _direct(fused, x, residual, weight, out, residual_out, eps, weight_offset, casting_mode):
     # the library's eager path: not tracing when the op itself runs, so _call goes direct
-    return _api._call(fused, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
+    return _call.forward_call(fused, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
 
 
 @torch.library.custom_op("cupy_rmsnorm::rms_norm", mutates_args=())
@@ -111,7 +113,7 @@ def _(x, residual, weight, eps, weight_offset, casting_mode):
 
 def _quant_direct(fused, x, residual, weight, residual_out, scale, eps, weight_offset, casting_mode, group_size,
                   scale_ub, quant_dtype):
-    result = _api._quant_call(fused, (x, residual, weight, None, residual_out, scale, None), eps, weight_offset,
+    result = _call.quant_call(fused, (x, residual, weight, None, residual_out, scale, None), eps, weight_offset,
                               casting_mode, group_size, scale_ub, quant_dtype)
     if scale is None:
         return result
@@ -206,7 +208,7 @@ def _no_weight_grad(x):
 @torch.library.custom_op("cupy_rmsnorm::rms_norm_backward", mutates_args=())
 def rms_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
                       casting_mode: str, weight_grad: bool) -> tuple[Tensor, Tensor]:
-    dx, dweight = _api._backward_call(False, BackwardArrays(dy, x, None, weight), eps, weight_offset,
+    dx, dweight = _call.backward_call(False, BackwardArrays(dy, x, None, weight), eps, weight_offset,
                                       casting_mode, weight_grad)
     return dx, (_no_weight_grad(x) if dweight is None else dweight)
 
@@ -215,7 +217,7 @@ def rms_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], eps: floa
 def fused_add_rms_norm_backward(dy: Tensor, d_residual_out: Optional[Tensor], residual_out: Tensor,
                                 weight: Optional[Tensor], eps: float, weight_offset: float, casting_mode: str,
                                 weight_grad: bool) -> tuple[Tensor, Tensor]:
-    dx, dweight = _api._backward_call(True, BackwardArrays(dy, residual_out, d_residual_out, weight), eps,
+    dx, dweight = _call.backward_call(True, BackwardArrays(dy, residual_out, d_residual_out, weight), eps,
                                       weight_offset, casting_mode, weight_grad)
     return dx, (_no_weight_grad(residual_out) if dweight is None else dweight)
 
@@ -231,12 +233,12 @@ def _fake_backward(names, arrays, weight_grad):
 
 @rms_norm_backward.register_fake
 def _(dy, x, weight, eps, weight_offset, casting_mode, weight_grad):
-    return _fake_backward(_api._BACKWARD_NAMES[False], BackwardArrays(dy, x, None, weight), weight_grad)
+    return _fake_backward(_call.BACKWARD_NAMES[False], BackwardArrays(dy, x, None, weight), weight_grad)
 
 
 @fused_add_rms_norm_backward.register_fake
 def _(dy, d_residual_out, residual_out, weight, eps, weight_offset, casting_mode, weight_grad):
-    return _fake_backward(_api._BACKWARD_NAMES[True], BackwardArrays(dy, residual_out, d_residual_out, weight),
+    return _fake_backward(_call.BACKWARD_NAMES[True], BackwardArrays(dy, residual_out, d_residual_out, weight),
                           weight_grad)
 
 
@@ -280,12 +282,12 @@ torch.library.register_autograd("cupy_rmsnorm::fused_add_rms_norm", _fused_grad,
 # training step pays per norm; torch.compile keeps the registered ops.
 
 def _eager_rms_norm_backward(dy, x, weight, eps, weight_offset, casting_mode, weight_grad):
-    return _api._backward_call(False, BackwardArrays(dy, x, None, weight), eps, weight_offset, casting_mode,
+    return _call.backward_call(False, BackwardArrays(dy, x, None, weight), eps, weight_offset, casting_mode,
                                weight_grad)
 
 
 def _eager_fused_backward(dy, d_residual_out, residual_out, weight, eps, weight_offset, casting_mode, weight_grad):
-    return _api._backward_call(True, BackwardArrays(dy, residual_out, d_residual_out, weight), eps,
+    return _call.backward_call(True, BackwardArrays(dy, residual_out, d_residual_out, weight), eps,
                                weight_offset, casting_mode, weight_grad)
 
 
@@ -328,7 +330,7 @@ def call(fused, arrays, eps, weight_offset, casting_mode, differentiable=False):
     scalars = check_scalars(eps, weight_offset, casting_mode, weight is not None)
     args = (weight, scalars.eps, scalars.weight_offset, scalars.casting_mode)
     # (CUDA tensors: a device with its own kernels registered for the ops keeps them)
-    eager = differentiable and x.is_cuda and not _api._compiling()
+    eager = differentiable and x.is_cuda and not _is_compiling()
     if not fused:
         y = _EagerRMSNorm.apply(x, *args) if eager else rms_norm(x, *args)
         return y if out is None else out.copy_(y)
@@ -341,3 +343,8 @@ def call(fused, arrays, eps, weight_offset, casting_mode, differentiable=False):
         return x, residual
     y, s = _EagerFusedAddRMSNorm.apply(x, residual, *args) if eager else fused_add_rms_norm(x, residual, *args)
     return (y if out is None else out.copy_(y)), (s if residual_out is None else residual_out.copy_(s))
+
+
+# is_dynamo_compiling: a plain `return False` in eager (cheaper than is_compiling)
+_is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_call.install_torch(_is_compiling, call, call_quant)

@@ -30,7 +30,10 @@ class Scalars(NamedTuple):
 
 
 def _float32_scalar(value, name, what):
-    """``value`` as a Python float that is finite in float32, or TypeError / ValueError."""
+    """``value`` (a real number: not a string or a bool) as a Python float that is finite in
+    float32, or TypeError / ValueError."""
+    if isinstance(value, (str, bytes, bytearray, bool, np.bool_)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
         f = float(value)
     except OverflowError:        # an int past the float range

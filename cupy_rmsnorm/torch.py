@@ -26,10 +26,9 @@ import warnings
 import torch
 from torch import nn
 
-from ._api import fused_add_rms_norm, register_torch_ops, rms_norm
+from . import _torch_ops  # noqa: F401 - registers the torch ops
+from ._api import fused_add_rms_norm, rms_norm
 from ._validate import check_scalars
-
-register_torch_ops()
 
 __all__ = ["RMSNorm", "FusedAddRMSNorm", "patch_hf_rmsnorm"]
 

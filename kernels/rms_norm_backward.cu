@@ -1,9 +1,5 @@
 // Backward of RMSNorm (and of the fused residual-add + RMSNorm), compiled at run time by NVRTC.
 //
-// This file is compiled in one program after kernels/rms_norm.cu (cupy_rmsnorm/_compile.py
-// joins them) and uses its helpers: to_float / from_float, Pack, group_sum, weight_at,
-// weights_of, the Flags enum, RowStrides and the programmatic-dependent-launch waits.
-//
 // Per row, in float32 (the contract in cupy_rmsnorm/_reference.py):
 //   r = rsqrt(sum(x^2) / hidden + eps)       recomputed here: the forward saves nothing
 //   w' = w + weight_offset, g = dy * w'      (g = dy without a weight)
@@ -11,11 +7,11 @@
 //   fused op: x is the forward's residual_out s, and dx += d_residual_out before the rounding
 //   dweight = sum over rows of dy * xhat     (kLlama: xhat rounded to T first, as the forward)
 // One pass over the row gives both sums; the row is kept in registers for the second pass
-// (THREAD_VECS > 0) or re-read (THREAD_VECS == 0: rows too long for registers).
+// (VECS_PER_THREAD > 0) or re-read (VECS_PER_THREAD == 0: rows too long for registers).
 //
 // Work split (cupy_rmsnorm/_plan.py, backward_plan): a persistent-ish grid; block b owns the
 // contiguous rows [b * rows_per_block, (b + 1) * rows_per_block), handled by GROUPS row groups
-// of ROW_THREADS threads (group k takes rows begin + k, begin + k + GROUPS, ...). Each group
+// of THREADS_PER_ROW threads (group k takes rows begin + k, begin + k + GROUPS, ...). Each group
 // adds dy * xhat per column over its rows, in shared memory (or, streamed, in the block's
 // partials row), and the block writes one float32 row of partial sums: partials[b][col].
 // (rms_norm_backward_row_kernel, no more rows than SMs: a block's one row is its partial row,
@@ -26,6 +22,8 @@
 // the same work split and arithmetic, with each block's next rows brought into shared memory
 // by bulk copies ahead of use, so that more bytes are in flight than registers can hold.
 
+#include "common.cuh"
+
 namespace rmsnorm {
 
 // BackwardParams.flags: Flags' kLlama and kHasWeight (g = dy * w'), and these
@@ -34,7 +32,7 @@ namespace rmsnorm {
 // n_inner == 1 (a row's offset without a division) and the weight aligned to its vectors.
 enum BackwardFlags { kAddGrad = 8, kWeightGrad = 16, kDirectWeight = 32, kUnitRows = 64, kWeightVectors = 128 };
 
-// Everything but the pointers, by value (mirrored by cupy_rmsnorm/_launcher.py's
+// Everything but the pointers, by value (mirrored by cupy_rmsnorm/_abi.py's
 // BACKWARD_PARAMS_DTYPE; a CPU test reads both sides). Row r of an array starts at
 // (r / n_inner) * outer + (r % n_inner) * inner elements.
 struct BackwardParams {
@@ -45,18 +43,13 @@ struct BackwardParams {
     int flags;
     int stages, unused;   // rms_norm_backward_staged_kernel: the ring's stages (>= 2)
 };
-static_assert(sizeof(BackwardParams) == 112, "BackwardParams: 112 bytes, as cupy_rmsnorm/_launcher.py packs it");
+static_assert(sizeof(BackwardParams) == 112, "BackwardParams: 112 bytes, as cupy_rmsnorm/_abi.py packs it");
 
 // The reduction kernel's sizes (mirrored by REDUCE_PARAMS_DTYPE).
 struct ReduceParams {
     long long partials, hidden;
 };
-static_assert(sizeof(ReduceParams) == 16, "ReduceParams: 16 bytes, as cupy_rmsnorm/_launcher.py packs it");
-
-template <typename T>
-__device__ __forceinline__ const T* row_of(const T* base, const RowStrides& s, long long outer, long long inner) {
-    return base + outer * s.outer + inner * s.inner;
-}
+static_assert(sizeof(ReduceParams) == 16, "ReduceParams: 16 bytes, as cupy_rmsnorm/_abi.py packs it");
 
 // Row r's indices on its two leading axes: (r / n_inner, r % n_inner); no division for
 // `unit_rows` (n_inner known to be 1) or n_inner == 1.
@@ -64,19 +57,6 @@ __device__ __forceinline__ void split_row(const BackwardParams& p, long long r, 
                                           long long& inner) {
     outer = r, inner = 0;
     if (!unit_rows && p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
-}
-
-// The weights (offset added) of body vector v; one 16-byte load when aligned.
-template <typename W, int VEC>
-__device__ __forceinline__ void weights_at(const W* wb, int v, bool w_vec, float w_offset, int flags,
-                                           float (&wv)[VEC]) {
-    if (w_vec) {
-        const Pack<W, VEC> wp = reinterpret_cast<const Pack<W, VEC>*>(wb)[v];
-        weights_of<W, VEC>(wp, w_offset, wv);
-    } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) wv[e] = weight_at(wb, v * VEC + e, w_offset, flags);
-    }
 }
 
 // xhat as the weight multiply of the forward saw it: rounded to T in llama mode.
@@ -101,7 +81,7 @@ struct Flag { bool value; };     // the same, known at run time only
 
 // f(add_grad, weight_grad, llama) with the flags as Constant values, chosen once a row: tested
 // per element, the flags cost more instructions than the arithmetic (the staged kernel at
-// 4096 x 4096: 337 warp instructions a row, ncu, run FA), and the backward is bound by
+// 4096 x 4096: 337 warp instructions a row, ncu), and the backward is bound by
 // instruction issue. Llama matters only to dweight.
 template <typename F>
 __device__ __forceinline__ void with_backward_flags(int flags, const F& f) {
@@ -118,22 +98,22 @@ __device__ __forceinline__ void with_backward_flags(int flags, const F& f) {
 }
 
 // Sums of (a[j], b[j]) over a row group, for ROWS rows at once: warp shuffles, then
-// (ROW_THREADS > 32, one group per block) the block's warps through shared memory, each
+// (THREADS_PER_ROW > 32, one group per block) the block's warps through shared memory, each
 // warp's sum read by lanes warp, warp + WARPS, ... so that log2(WARPS) butterflies give every
 // lane the total (the tree of 32 lanes with zeros past WARPS, less its additions of zero,
 // which are a row's chain of latency with one row a block). `parity`
 // alternates step by step, so one __syncthreads per step suffices (a buffer is written again
 // only two steps later, after every thread has passed the next step's barrier, hence read
 // this one). Each row's sums take the same operations in the same order whatever ROWS is.
-template <int ROW_THREADS, int ROWS>
+template <int THREADS_PER_ROW, int ROWS>
 __device__ __forceinline__ void row_sums(float (&a)[ROWS], float (&b)[ROWS], int parity) {
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) {
-        a[j] = group_sum<ROW_THREADS>(a[j]);
-        b[j] = group_sum<ROW_THREADS>(b[j]);
+        a[j] = group_sum<THREADS_PER_ROW>(a[j]);
+        b[j] = group_sum<THREADS_PER_ROW>(b[j]);
     }
-    if (ROW_THREADS > 32) {
-        constexpr int WARPS = ROW_THREADS > 32 ? ROW_THREADS / 32 : 1;
+    if (THREADS_PER_ROW > 32) {
+        constexpr int WARPS = THREADS_PER_ROW > 32 ? THREADS_PER_ROW / 32 : 1;
         __shared__ float2 warp_sums[2][ROWS][WARPS];
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
@@ -149,10 +129,10 @@ __device__ __forceinline__ void row_sums(float (&a)[ROWS], float (&b)[ROWS], int
     }
 }
 
-template <int ROW_THREADS>
+template <int THREADS_PER_ROW>
 __device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
     float as[1] = {a}, bs[1] = {b};
-    row_sums<ROW_THREADS, 1>(as, bs, parity);
+    row_sums<THREADS_PER_ROW, 1>(as, bs, parity);
     a = as[0];
     b = bs[0];
 }
@@ -179,23 +159,22 @@ __device__ __forceinline__ float2 row_statistics(float ss, float sgx, int hidden
 // barriers a row, no double buffers: warp 0 reads warp_sums before the second barrier, and
 // every thread reads stats before the next row's first. `between` runs in the other warps
 // while warp 0 works.
-// Measured in the staged kernel (runs GA, GB: A/B against row_sums, benchmarks/results/
-// backward_row_stats_ab_runs_ga_gb.txt): blocks of 128 and 256 threads 0.96-0.99 of the time,
+// Measured in the staged kernel against row_sums: blocks of 128 and 256 threads 0.96-0.99 of the time,
 // blocks of 512 up to 1.06 (the second barrier, with two blocks an SM, costs more than the
 // instructions it saves), hence STATS_IN_ONE_WARP_MAX_THREADS.
 constexpr int STATS_IN_ONE_WARP_MAX_THREADS = 256;
 // ROWS rows at once: out[j] the statistics of row j.
-template <int ROW_THREADS, int ROWS, class Between>
+template <int THREADS_PER_ROW, int ROWS, class Between>
 __device__ __forceinline__ void row_stats(float (&a)[ROWS], float (&b)[ROWS], int hidden, float eps,
                                           Between&& between, float2 (&out)[ROWS]) {
-    static_assert(ROW_THREADS > 32, "a block-wide row");
-    constexpr int WARPS = ROW_THREADS / 32;
+    static_assert(THREADS_PER_ROW > 32, "a block-wide row");
+    constexpr int WARPS = THREADS_PER_ROW / 32;
     __shared__ float2 warp_sums[ROWS][WARPS];
     __shared__ float2 stats[ROWS];
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) {
-        a[j] = group_sum<ROW_THREADS>(a[j]);
-        b[j] = group_sum<ROW_THREADS>(b[j]);
+        a[j] = group_sum<THREADS_PER_ROW>(a[j]);
+        b[j] = group_sum<THREADS_PER_ROW>(b[j]);
     }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
@@ -263,7 +242,7 @@ __device__ __forceinline__ RowView row_view(const T* x, const BackwardParams& p,
     RowView v{r, 0, 0, p.hidden / VEC, p.hidden};
     split_row(p, r, flags & kUnitRows, v.outer, v.inner);
     if (EDGES) {   // head: up to x's row's first 16-byte boundary (every array shares x's pattern)
-        const T* xr = row_of(x, p.x, v.outer, v.inner);
+        const T* xr = x + row_offset<false>(v.outer, v.inner, p.x);
         const int mis = (int)((reinterpret_cast<unsigned long long>(xr) / sizeof(T)) & (VEC - 1));
         v.head = min((VEC - mis) & (VEC - 1), p.hidden);
         v.n_body = (p.hidden - v.head) / VEC;
@@ -274,14 +253,14 @@ __device__ __forceinline__ RowView row_view(const T* x, const BackwardParams& p,
 
 // A row's body vectors of dy and x that this thread keeps (register plans); every load is
 // issued before any is used.
-template <typename T, int VEC, int ROW_THREADS, int NV>
+template <typename T, int VEC, int THREADS_PER_ROW, int KEPT_VECS>
 __device__ __forceinline__ void load_body(const T* dy, const T* x, const BackwardParams& p, const RowView& v,
-                                          int tid, Pack<T, VEC> (&kdy)[NV], Pack<T, VEC> (&kx)[NV]) {
-    const Pack<T, VEC>* dyv = reinterpret_cast<const Pack<T, VEC>*>(row_of(dy, p.dy, v.outer, v.inner) + v.head);
-    const Pack<T, VEC>* xv = reinterpret_cast<const Pack<T, VEC>*>(row_of(x, p.x, v.outer, v.inner) + v.head);
+                                          int tid, Pack<T, VEC> (&kdy)[KEPT_VECS], Pack<T, VEC> (&kx)[KEPT_VECS]) {
+    const Pack<T, VEC>* dyv = reinterpret_cast<const Pack<T, VEC>*>(dy + row_offset<false>(v.outer, v.inner, p.dy) + v.head);
+    const Pack<T, VEC>* xv = reinterpret_cast<const Pack<T, VEC>*>(x + row_offset<false>(v.outer, v.inner, p.x) + v.head);
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-        const int k = tid + i * ROW_THREADS;
+    for (int i = 0; i < KEPT_VECS; ++i) {
+        const int k = tid + i * THREADS_PER_ROW;
         if (k < v.n_body) { kdy[i] = dyv[k]; kx[i] = xv[k]; }
     }
 }
@@ -292,43 +271,43 @@ __device__ __forceinline__ void load_body(const T* dy, const T* x, const Backwar
 // i.e. at most 64 registers a thread; warp groups (the most registers) get 85, three blocks of
 // 256; rows off the 16-byte grid (EDGES) take what they need rather than spill, except blocks
 // of 256+ threads with one vector each, which fit 64 (unbounded, ptxas gave bf16 79: one
-// 512-thread block an SM, and 4096 x 4095 bf16 took 1.4x fp16's time, run N).
-template <int ROW_THREADS, int THREAD_VECS, bool EDGES>
+// 512-thread block an SM, and 4096 x 4095 bf16 took 1.4x fp16's time).
+template <int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES>
 struct BackwardMinBlocks {
-    static constexpr int value = EDGES && (THREAD_VECS != 1 || ROW_THREADS < 256) ? 1
-                                 : ROW_THREADS > 256 ? 1024 / ROW_THREADS : ROW_THREADS == 256 ? 4 : 3;
+    static constexpr int value = EDGES && (VECS_PER_THREAD != 1 || THREADS_PER_ROW < 256) ? 1
+                                 : THREADS_PER_ROW > 256 ? 1024 / THREADS_PER_ROW : THREADS_PER_ROW == 256 ? 4 : 3;
 };
 
 // ONE_ROW (rms_norm_backward_row_kernel; rows_per_block == 1, one group a block): the block's
 // dweight sums are its row's dy * xhat: they go from registers straight to its partials row,
 // or to dweight, without the shared-memory round trip and its barriers (as 0 + v, what the
 // sums would hold). FLAGS: the flags when known at compile time (the row kernel), else -1.
-template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, bool ONE_ROW, int FLAGS>
+template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, bool ONE_ROW, int FLAGS>
 __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
                                               float* partials, W* dweight, const BackwardParams& p) {
     using VecT = Pack<T, VEC>;
-    constexpr int GROUPS = ROW_THREADS <= 32 ? 256 / ROW_THREADS : 1;   // rows in flight per block
-    constexpr int NV = THREAD_VECS > 0 ? THREAD_VECS : 1;
+    constexpr int GROUPS = THREADS_PER_ROW <= 32 ? 256 / THREADS_PER_ROW : 1;   // rows in flight per block
+    constexpr int KEPT_VECS = VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1;
     // a group's dweight sums, one float per column, and (VEC > 1) one of padding after every
     // VEC columns: the threads of a warp add to columns VEC apart, which would otherwise
     // meet in a few shared-memory banks; padded, they stride VEC + 1 (odd): 32 banks
-    constexpr int PAD = THREAD_VECS > 0 && VEC > 1 ? 1 : 0;
-    constexpr int SPAN = THREAD_VECS > 0 ? (ROW_THREADS * THREAD_VECS + 2) * (VEC + PAD) : 1;
+    constexpr int PAD = VECS_PER_THREAD > 0 && VEC > 1 ? 1 : 0;
+    constexpr int SPAN = VECS_PER_THREAD > 0 ? (THREADS_PER_ROW * VECS_PER_THREAD + 2) * (VEC + PAD) : 1;
     const auto slot = [](int j) { return PAD ? j + j / VEC : j; };
     // block plans with one vector per thread load the next row's body while this row's sums
     // go round the block (the barrier would otherwise leave the SM with no loads in flight);
     // not for rows off the 16-byte grid, whose head and tail leave no registers for it. The
-    // one-row kernel has no next row: without the code for it, 1 x 4096 took 0-8% less (run AC)
-    constexpr bool PREFETCH = THREAD_VECS == 1 && ROW_THREADS > 32 && !EDGES;
+    // one-row kernel has no next row: without the code for it, 1 x 4096 took 0-8% less
+    constexpr bool PREFETCH = VECS_PER_THREAD == 1 && THREADS_PER_ROW > 32 && !EDGES;
     constexpr bool NEXT_ROW = PREFETCH && !ONE_ROW;
     // The looping block plans on the 16-byte grid keep their dweight sums in registers: with
     // no head, a thread has the same columns in every row. The sums in shared memory cost a
     // load, an add and a store per element and row, and the kernel is bound by instruction
-    // issue at 1024 x 4096 (ncu, run AF: 9.4 M warp instructions with dweight, 6.1 M without);
-    // in registers 1024 x 4096 took 0.87-0.91 of the time (run AG).
+    // issue at 1024 x 4096 (ncu: 9.4 M warp instructions with dweight, 6.1 M without);
+    // in registers 1024 x 4096 took 0.87-0.91 of the time.
     constexpr bool SUMS_IN_REGISTERS = NEXT_ROW;
-    static_assert(ROW_THREADS >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
-    static_assert(THREAD_VECS > 0 || GROUPS == 1, "streamed rows get a block each");
+    static_assert(THREADS_PER_ROW >= VEC, "a group must cover a head or tail of up to VEC - 1 elements");
+    static_assert(VECS_PER_THREAD > 0 || GROUPS == 1, "streamed rows get a block each");
     __shared__ float dw_sums[SUMS_IN_REGISTERS ? 1 : GROUPS * SPAN];
     float dw_acc[SUMS_IN_REGISTERS ? VEC : 1];   // SUMS_IN_REGISTERS: this thread's columns' sums
 #pragma unroll
@@ -337,7 +316,7 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     const int hidden = p.hidden, flags = FLAGS >= 0 ? FLAGS : p.flags;
     const float w_offset = p.weight_offset;
     const bool has_weight = flags & kHasWeight, weight_grad = flags & kWeightGrad, add_grad = flags & kAddGrad;
-    const int tid = threadIdx.x % ROW_THREADS, group = threadIdx.x / ROW_THREADS;
+    const int tid = threadIdx.x % THREADS_PER_ROW, group = threadIdx.x / THREADS_PER_ROW;
     // (one row a block: its grid is the rows)
     const long long begin = ONE_ROW ? (long long)blockIdx.x : (long long)blockIdx.x * p.rows_per_block;
     const long long end = ONE_ROW ? begin + 1 : min(begin + p.rows_per_block, p.rows);
@@ -347,27 +326,27 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     // registers the thread that makes it may change from row to row (the head's length
     // follows each row's alignment), so rows are separated by a barrier: the block's in
     // row_sums, or a __syncwarp for warp groups.
-    float* sums = THREAD_VECS > 0 ? dw_sums + group * SPAN : partials + (long long)blockIdx.x * hidden;
+    float* sums = VECS_PER_THREAD > 0 ? dw_sums + group * SPAN : partials + (long long)blockIdx.x * hidden;
     const DweightRow<W> out_row{partials + (long long)blockIdx.x * hidden, dweight, (flags & kDirectWeight) != 0};
-    if (THREAD_VECS > 0 && weight_grad && !ONE_ROW && !SUMS_IN_REGISTERS) {
+    if (VECS_PER_THREAD > 0 && weight_grad && !ONE_ROW && !SUMS_IN_REGISTERS) {
         for (int j = threadIdx.x; j < GROUPS * SPAN; j += blockDim.x) dw_sums[j] = 0.f;
         __syncthreads();
     }
 
     wait_for_previous_kernel();                  // no global memory access before this
-    VecT kdy[NV], kx[NV];                        // the row's body, kept for the second pass
+    VecT kdy[KEPT_VECS], kx[KEPT_VECS];                        // the row's body, kept for the second pass
     if (PREFETCH && begin + group < end)
-        load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, begin + group, flags), tid, kdy, kx);
+        load_body<T, VEC, THREADS_PER_ROW, KEPT_VECS>(dy, x, p, row_view<T, VEC, EDGES>(x, p, begin + group, flags), tid, kdy, kx);
     int parity = 0;
     // every thread of the block runs the same iterations (the shuffles need whole warps)
     for (long long base = begin; base < end; base += GROUPS, parity ^= 1) {
         const long long row = base + group;
         const bool active = row < end;
         const RowView rv = row_view<T, VEC, EDGES>(x, p, active ? row : begin, flags);
-        const T* dyr = row_of(dy, p.dy, rv.outer, rv.inner);
-        const T* xr = row_of(x, p.x, rv.outer, rv.inner);
-        T* dxr = const_cast<T*>(row_of<T>(dx, p.dx, rv.outer, rv.inner));
-        const T* dres = add_grad ? row_of(d_residual_out, p.d_residual_out, rv.outer, rv.inner) : nullptr;
+        const T* dyr = dy + row_offset<false>(rv.outer, rv.inner, p.dy);
+        const T* xr = x + row_offset<false>(rv.outer, rv.inner, p.x);
+        T* dxr = dx + row_offset<false>(rv.outer, rv.inner, p.dx);
+        const T* dres = add_grad ? d_residual_out + row_offset<false>(rv.outer, rv.inner, p.d_residual_out) : nullptr;
         const int head = rv.head, n_body = rv.n_body, tail_start = rv.tail_start;
 
         const bool has_head = EDGES && active && tid < head;
@@ -380,11 +359,11 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
 
         float ss = 0.f, sgx = 0.f;               // sum x^2, sum g * x
         float head_dy = 0.f, head_x = 0.f, tail_dy = 0.f, tail_x = 0.f, head_w = 1.f, tail_w = 1.f;
-        VecT ndy[NV], nx[NV];                    // NEXT_ROW: the next row's body
+        VecT ndy[KEPT_VECS], nx[KEPT_VECS];                    // NEXT_ROW: the next row's body
         if (NEXT_ROW && row + GROUPS < end)
-            load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, row_view<T, VEC, EDGES>(x, p, row + GROUPS, flags), tid, ndy, nx);
+            load_body<T, VEC, THREADS_PER_ROW, KEPT_VECS>(dy, x, p, row_view<T, VEC, EDGES>(x, p, row + GROUPS, flags), tid, ndy, nx);
         if (active) {
-            if (THREAD_VECS > 0 && !PREFETCH) load_body<T, VEC, ROW_THREADS, NV>(dy, x, p, rv, tid, kdy, kx);
+            if (VECS_PER_THREAD > 0 && !PREFETCH) load_body<T, VEC, THREADS_PER_ROW, KEPT_VECS>(dy, x, p, rv, tid, kdy, kx);
             if (has_head) {
                 head_dy = to_float(dyr[tid]);
                 head_x = to_float(xr[tid]);
@@ -395,13 +374,13 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
                 tail_x = to_float(xr[tail_start + tid]);
                 tail_w = weight_at(w, tail_start + tid, w_offset, flags);
             }
-            if (THREAD_VECS > 0) {
+            if (VECS_PER_THREAD > 0) {
 #pragma unroll
-                for (int i = 0; i < NV; ++i) {
-                    const int v = tid + i * ROW_THREADS;
+                for (int i = 0; i < KEPT_VECS; ++i) {
+                    const int v = tid + i * THREADS_PER_ROW;
                     if (v >= n_body) continue;
                     float wv[VEC];
-                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+                    load_weights<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         const float xf = to_float(kx[i].v[e]);
@@ -411,10 +390,10 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
                 }
             } else {
 #pragma unroll 2
-                for (int v = tid; v < n_body; v += ROW_THREADS) {
+                for (int v = tid; v < n_body; v += THREADS_PER_ROW) {
                     const VecT a = dyv[v], b = xv[v];
                     float wv[VEC];
-                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+                    load_weights<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         const float xf = to_float(b.v[e]);
@@ -428,12 +407,12 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
                 sgx += head_dy * head_w * head_x + tail_dy * tail_w * tail_x;
             }
         }
-        row_sums<ROW_THREADS>(ss, sgx, parity);
+        row_sums<THREADS_PER_ROW>(ss, sgx, parity);
         if (active) {
             const float2 stats = row_statistics(ss, sgx, hidden, p.eps);
             const float inv_rms = stats.x, c = stats.y;        // c = mean(g * xhat)
             // streamed rows: the first row of the block writes its partials, later ones add
-            const bool first_row = THREAD_VECS == 0 && row == begin;
+            const bool first_row = VECS_PER_THREAD == 0 && row == begin;
             if (has_head) {
                 dxr[tid] = dx_of<T>(head_dy, head_x, head_w, inv_rms, c, add_grad ? to_float(dres[tid]) : 0.f);
                 if (weight_grad && ONE_ROW)
@@ -451,16 +430,16 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
             }
             VecT* dxv = reinterpret_cast<VecT*>(dxr + head);
             const VecT* dresv = reinterpret_cast<const VecT*>(dres + head);
-            if (THREAD_VECS > 0) {
+            if (VECS_PER_THREAD > 0) {
                 const auto second_pass = [&](auto add_c, auto dw_c, auto llama_c) {
                     const bool ADD = add_c.value, DW = dw_c.value;
                     const int LLAMA = llama_c.value ? kLlama : 0;
 #pragma unroll
-                    for (int i = 0; i < NV; ++i) {
-                        const int v = tid + i * ROW_THREADS;
+                    for (int i = 0; i < KEPT_VECS; ++i) {
+                        const int v = tid + i * THREADS_PER_ROW;
                         if (v >= n_body) continue;
                         float wv[VEC];
-                        weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+                        load_weights<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
                         VecT add, o;
                         if (ADD) add = dresv[v];
 #pragma unroll
@@ -483,17 +462,17 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
                     }
                 };
                 // one row a block: a chain of dependent instructions, not issue, is its time, and
-                // the six copies of this loop took 1 x 4096 from 2.14 to 2.19 us (run FB)
+                // the six copies of this loop took 1 x 4096 from 2.14 to 2.19 us
                 if constexpr (ONE_ROW)
                     second_pass(Flag{add_grad}, Flag{weight_grad}, Flag{(flags & kLlama) != 0});
                 else
                     with_backward_flags(flags, second_pass);
             } else {                             // streamed: re-read the row (mostly from L2)
 #pragma unroll 2
-                for (int v = tid; v < n_body; v += ROW_THREADS) {
+                for (int v = tid; v < n_body; v += THREADS_PER_ROW) {
                     const VecT a = dyv[v], b = xv[v];
                     float wv[VEC];
-                    weights_at<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
+                    load_weights<W, VEC>(wb, v, w_vec, w_offset, flags, wv);
                     VecT add, o;
                     if (add_grad) add = dresv[v];
                     float* pv = sums + head + v * VEC;
@@ -509,7 +488,7 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
         }
         if (NEXT_ROW) {
 #pragma unroll
-            for (int i = 0; i < NV; ++i) { kdy[i] = ndy[i]; kx[i] = nx[i]; }
+            for (int i = 0; i < KEPT_VECS; ++i) { kdy[i] = ndy[i]; kx[i] = nx[i]; }
         }
         if (GROUPS > 1) __syncwarp();            // this row's sums before the next row's
     }
@@ -521,7 +500,7 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
             for (int e = 0; e < VEC; ++e) v[e] = 0.f + dw_acc[SUMS_IN_REGISTERS ? e : 0];
             out_row.put_vector<VEC>(tid * VEC, v);
         }
-    } else if (THREAD_VECS > 0 && weight_grad && !ONE_ROW) {   // the groups' sums, added in group order
+    } else if (VECS_PER_THREAD > 0 && weight_grad && !ONE_ROW) {   // the groups' sums, added in group order
         __syncthreads();
         const bool direct = flags & kDirectWeight;
         float* block_partials = partials + (long long)blockIdx.x * hidden;
@@ -535,27 +514,27 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     }
 }
 
-template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES>
-__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
+template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES>
+__global__ void __launch_bounds__(THREADS_PER_ROW > 256 ? THREADS_PER_ROW : 256, BackwardMinBlocks<THREADS_PER_ROW, VECS_PER_THREAD, EDGES>::value)
 rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
                          W* dweight, const BackwardParams p) {
-    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, false, -1>(dy, x, d_residual_out, dx, w, partials, dweight, p);
+    backward_rows<T, W, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, false, -1>(dy, x, d_residual_out, dx, w, partials, dweight, p);
     allow_next_kernel();
 }
 
 // Few rows (no more than the SMs, cupy_rmsnorm/_plan.py's "row" variant): a block-wide group
 // per row and one row a block, whatever the occupancy. A kernel of its own: in the one
-// above, the one-row path cost the looping blocks 3% at 1024 x 4096 (run X). Its FLAGS are
+// above, the one-row path cost the looping blocks 3% at 1024 x 4096. Its FLAGS are
 // compiled in (BackwardFlags, with kUnitRows and kWeightVectors where they hold): a block of one
 // row is a chain of dependent instructions, and the flags' tests and the general row
 // arithmetic were a quarter of them (1 x 4096 bf16: 6,240 warp instructions, 4,656 compiled in,
-// ncu, run NA; A/B 0.76-0.99 of the time at 1-128 rows, one case of 42 at 1.02).
-template <typename T, typename W, int VEC, int ROW_THREADS, int THREAD_VECS, bool EDGES, int FLAGS>
-__global__ void __launch_bounds__(ROW_THREADS > 256 ? ROW_THREADS : 256, BackwardMinBlocks<ROW_THREADS, THREAD_VECS, EDGES>::value)
+// ncu; 0.76-0.99 of the time at 1-128 rows).
+template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int FLAGS>
+__global__ void __launch_bounds__(THREADS_PER_ROW > 256 ? THREADS_PER_ROW : 256, BackwardMinBlocks<THREADS_PER_ROW, VECS_PER_THREAD, EDGES>::value)
 rms_norm_backward_row_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
                              W* dweight, const BackwardParams p) {
-    static_assert(ROW_THREADS > 32 && THREAD_VECS > 0, "a block-wide group with the row in registers");
-    backward_rows<T, W, VEC, ROW_THREADS, THREAD_VECS, EDGES, true, FLAGS>(dy, x, d_residual_out, dx, w, partials, dweight, p);
+    static_assert(THREADS_PER_ROW > 32 && VECS_PER_THREAD > 0, "a block-wide group with the row in registers");
+    backward_rows<T, W, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, true, FLAGS>(dy, x, d_residual_out, dx, w, partials, dweight, p);
     allow_next_kernel();
 }
 
@@ -564,7 +543,7 @@ rms_norm_backward_row_kernel(const T* dy, const T* x, const T* d_residual_out, T
 // partial rows are 16-byte aligned, hidden % 4 == 0), and REDUCE_SLICES slices down; slice s
 // adds the partial rows s, s + REDUCE_SLICES, ..., then the slices are added in order. Many
 // slices and 16-byte loads keep enough bytes in flight: with 8 slices of 4-byte loads this
-// kernel waited on memory latency and took as long as the whole dx pass at 256 x 4096 (run O).
+// kernel waited on memory latency and took as long as the whole dx pass at 256 x 4096.
 constexpr int REDUCE_COLUMNS = 32, REDUCE_SLICES = 32;   // the block: 8 x 32 = 256 threads
 constexpr int REDUCE_ACROSS = REDUCE_COLUMNS / 4;
 
@@ -621,7 +600,7 @@ rms_norm_backward_reduce_kernel(const float* partials, W* dweight, const ReduceP
 // Memory Accelerator) per array of the next rows, an mbarrier per stage counts the bytes
 // in, and the block computes on the oldest stage. Bytes in flight then cost shared memory,
 // not registers. The math, the per-row sums and their order are the register kernel's with
-// one vector per thread and step (THREAD_VECS steps of ROW_THREADS threads); each thread
+// one vector per thread and step (VECS_PER_THREAD steps of THREADS_PER_ROW threads); each thread
 // keeps its columns' weights and dweight sums in registers (its columns never change).
 // Stage s holds dy, x and (kAddGrad) d_residual_out of one row, row_bytes each; the
 // mbarriers follow the last stage. Stage s is refilled after the barrier of the row that
@@ -675,9 +654,9 @@ __device__ __forceinline__ void stage_wait(unsigned bar, unsigned parity) {
 // memory lets that many blocks in; half that for rows of more than two steps (their
 // weights and sums take 16 registers a step, and their stages leave room for few blocks).
 // A block of ROWS rows a step counts as ROWS blocks.
-template <int ROW_THREADS, int THREAD_VECS, int ROWS>
+template <int THREADS_PER_ROW, int VECS_PER_THREAD, int ROWS>
 struct StagedMinBlocks {
-    static constexpr int blocks = THREAD_VECS > 2 ? (ROW_THREADS >= 512 ? 1 : 512 / ROW_THREADS) : 1024 / ROW_THREADS;
+    static constexpr int blocks = VECS_PER_THREAD > 2 ? (THREADS_PER_ROW >= 512 ? 1 : 512 / THREADS_PER_ROW) : 1024 / THREADS_PER_ROW;
     static constexpr int value = blocks / ROWS > 1 ? blocks / ROWS : 1;
 };
 
@@ -687,14 +666,14 @@ struct StagedMinBlocks {
 // (cupy_rmsnorm/_plan.py BACKWARD_PAIRED_GEOMETRY: where that pays). Each row's arithmetic
 // and each column's order of dweight additions (rows in order) are those of ROWS = 1: the
 // same geometry and blocks give the same bits.
-template <typename T, typename W, int ROW_THREADS, int THREAD_VECS, int ROWS>
-__global__ void __launch_bounds__(ROW_THREADS, StagedMinBlocks<ROW_THREADS, THREAD_VECS, ROWS>::value)
+template <typename T, typename W, int THREADS_PER_ROW, int VECS_PER_THREAD, int ROWS>
+__global__ void __launch_bounds__(THREADS_PER_ROW, StagedMinBlocks<THREADS_PER_ROW, VECS_PER_THREAD, ROWS>::value)
 rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
                                 float* partials, W* dweight, const BackwardParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = 16 / (int)sizeof(T);
     using VecT = Pack<T, VEC>;
-    static_assert(ROW_THREADS > 32, "a staged row takes a block");
+    static_assert(THREADS_PER_ROW > 32, "a staged row takes a block");
     static_assert(ROWS == 1 || ROWS == 2, "one or two rows a step");
     extern __shared__ __align__(128) unsigned char staged[];
 
@@ -715,14 +694,14 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
     __syncthreads();
     wait_for_previous_kernel();                  // no global memory access before this
 
-    float wv[THREAD_VECS][VEC], dws[THREAD_VECS][VEC];
+    float wv[VECS_PER_THREAD][VEC], dws[VECS_PER_THREAD][VEC];
     const bool w_vec = (flags & kHasWeight) && (reinterpret_cast<unsigned long long>(w) % sizeof(Pack<W, VEC>)) == 0;
 #pragma unroll
-    for (int i = 0; i < THREAD_VECS; ++i) {
-        const int v = tid + i * ROW_THREADS;
+    for (int i = 0; i < VECS_PER_THREAD; ++i) {
+        const int v = tid + i * THREADS_PER_ROW;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) { wv[i][e] = 1.f; dws[i][e] = 0.f; }
-        if (v < n) weights_at<W, VEC>(w, v, w_vec, w_offset, flags, wv[i]);
+        if (v < n) load_weights<W, VEC>(w, v, w_vec, w_offset, flags, wv[i]);
     }
 
     // the producer: bring row `begin + k` into stage k % stages
@@ -732,11 +711,11 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         const int s = k % stages;
         const unsigned bar = bars + 8 * s, dst = shared_address(staged) + s * stage_bytes;
         stage_expect(bar, stage_bytes);
-        stage_copy(dst, row_of(dy, p.dy, outer, inner), row_bytes, bar);
-        stage_copy(dst + row_bytes, row_of(x, p.x, outer, inner), row_bytes, bar);
-        if (add_grad) stage_copy(dst + 2 * row_bytes, row_of(d_residual_out, p.d_residual_out, outer, inner), row_bytes, bar);
+        stage_copy(dst, dy + row_offset<false>(outer, inner, p.dy), row_bytes, bar);
+        stage_copy(dst + row_bytes, x + row_offset<false>(outer, inner, p.x), row_bytes, bar);
+        if (add_grad) stage_copy(dst + 2 * row_bytes, d_residual_out + row_offset<false>(outer, inner, p.d_residual_out), row_bytes, bar);
     };
-    if (tid == ROW_THREADS - 32)                 // the producer: the last warp's first lane
+    if (tid == THREADS_PER_ROW - 32)                 // the producer: the last warp's first lane
         for (int k = 0; k < min(stages, count); ++k) issue(k);
 
     for (int k = 0; k < count; k += ROWS) {      // rows k .. k + m - 1 (stages >= 2 ROWS: the plan)
@@ -752,8 +731,8 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
             stage_wait(bars + 8 * s, (unsigned)(((k + j) / stages) & 1));
             const VecT* sx = sdy[j] + n;
 #pragma unroll
-            for (int i = 0; i < THREAD_VECS; ++i) {
-                const int v = tid + i * ROW_THREADS;
+            for (int i = 0; i < VECS_PER_THREAD; ++i) {
+                const int v = tid + i * THREADS_PER_ROW;
                 if (v >= n) continue;
                 const VecT a = sdy[j][v], b = sx[v];   // one 16-byte load each (unpack(sdy[j][v]) splits it)
                 float fdy[VEC], fx[VEC];
@@ -770,16 +749,16 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         // stages take rows k - ROWS + stages .. k - 1 + stages (with row_stats, issued while
         // warp 0 finishes the statistics)
         const auto refill = [&] {
-            if (tid == ROW_THREADS - 32 && k >= ROWS)
+            if (tid == THREADS_PER_ROW - 32 && k >= ROWS)
 #pragma unroll
                 for (int j = 0; j < ROWS; ++j)
                     if (k - ROWS + j + stages < count) issue(k - ROWS + j + stages);
         };
         float2 stats[ROWS];                      // (inv_rms, c = mean(g * xhat)) of each row
-        if constexpr (ROW_THREADS <= STATS_IN_ONE_WARP_MAX_THREADS) {
-            row_stats<ROW_THREADS, ROWS>(ss, sgx, hidden, p.eps, refill, stats);
+        if constexpr (THREADS_PER_ROW <= STATS_IN_ONE_WARP_MAX_THREADS) {
+            row_stats<THREADS_PER_ROW, ROWS>(ss, sgx, hidden, p.eps, refill, stats);
         } else {
-            row_sums<ROW_THREADS, ROWS>(ss, sgx, (k / ROWS) & 1);
+            row_sums<THREADS_PER_ROW, ROWS>(ss, sgx, (k / ROWS) & 1);
             refill();
 #pragma unroll
             for (int j = 0; j < ROWS; ++j) stats[j] = row_statistics(ss[j], sgx[j], hidden, p.eps);
@@ -789,14 +768,14 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
         for (int j = 0; j < ROWS; ++j) {
             long long outer, inner;
             split_row(p, begin + k + j, false, outer, inner);
-            dxv[j] = reinterpret_cast<VecT*>(const_cast<T*>(row_of<T>(dx, p.dx, outer, inner)));
+            dxv[j] = reinterpret_cast<VecT*>(dx + row_offset<false>(outer, inner, p.dx));
         }
         const auto second_pass = [&](auto add_c, auto dw_c, auto llama_c) {
             const bool ADD = add_c.value, DW = dw_c.value;
             const int LLAMA = llama_c.value ? kLlama : 0;
 #pragma unroll
-            for (int i = 0; i < THREAD_VECS; ++i) {
-                const int v = tid + i * ROW_THREADS;
+            for (int i = 0; i < VECS_PER_THREAD; ++i) {
+                const int v = tid + i * THREADS_PER_ROW;
                 if (v >= n) continue;
 #pragma unroll
                 for (int j = 0; j < ROWS; ++j) {     // rows in order: each column's dweight order
@@ -823,11 +802,11 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
 
     if (weight_grad) {                           // this block's sums: its row of partials, or dweight
         // in 16-byte stores: one float at a time, a warp's store touched 32 sectors for 128
-        // bytes, and the stores' drain at the end showed in ncu's stalls (run FA)
+        // bytes, and the stores' drain at the end showed in ncu's stalls
         const DweightRow<W> out_row{partials + (long long)blockIdx.x * hidden, dweight, (flags & kDirectWeight) != 0};
 #pragma unroll
-        for (int i = 0; i < THREAD_VECS; ++i) {
-            const int v = tid + i * ROW_THREADS;
+        for (int i = 0; i < VECS_PER_THREAD; ++i) {
+            const int v = tid + i * THREADS_PER_ROW;
             if (v < n) out_row.put_vector<VEC>(v * VEC, dws[i]);
         }
     }

@@ -30,7 +30,7 @@ import numpy as np
 from sanitize_grid import DTYPES, MODES, WEIGHTS, make_input, to_device, to_host
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _driver, _launcher, _plan
+from cupy_rmsnorm import _cache, _driver, _plan
 
 OPS = ("rms_norm", "fused", "fused_dres")
 # warp groups; blocks (both widths; 1000: staged pairs of 128 threads for 16-bit); 4096: staged
@@ -117,7 +117,7 @@ def main():
     device = _driver.device(cp.cuda.Device().id)
     sm_count, device.sm_count = device.sm_count, SANITIZE_SMS
     try:
-        with _launcher.forced_backward_plan(record=plans):     # no override: the heuristic's plans
+        with _cache.forced_backward_plan(record=plans):     # no override: the heuristic's plans
             for i, (dtype_name, op, hidden, layout) in enumerate(itertools.product(DTYPES, OPS, HIDDEN, layouts)):
                 wkind, woff = WEIGHTS[i % len(WEIGHTS)]
                 rows = ROWS_SHORT if hidden <= 255 else ROWS_LONG

@@ -33,7 +33,7 @@ from gpu_reference import to_device, to_host
 from helpers import DTYPES, HOST_ATOL, HOST_RTOL, MODES, OPS
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _driver, _launcher, _plan
+from cupy_rmsnorm import _cache, _driver, _plan
 
 WEIGHTS = ((None, 0.0), ("same", 0.0), ("float32", 1.0), ("same", 1.0), ("float32", 0.0))
 HIDDEN = (1, 7, 1000, 4095, 33001)   # warp groups; block per row (both widths); clusters
@@ -129,7 +129,7 @@ def main():
     args = parser.parse_args()
     cp.cuda.set_allocator(None)        # one cudaMalloc per array: memcheck sees exact bounds
     plans = []
-    with _launcher.forced_plan(record=plans):    # no override: the heuristic's plans, recorded
+    with _cache.forced_plan(record=plans):    # no override: the heuristic's plans, recorded
         wrong, calls = run_grid(args)
     cp.cuda.Device().synchronize()
     seen = launch_shapes(plans)
@@ -158,14 +158,14 @@ def run_grid(args):
     # grids split into rows of 8 blocks, the last row with surplus blocks (or clusters)
     grid_limits = _plan.MAX_GRID_X, _plan.GRID_ROW
     _plan.MAX_GRID_X, _plan.GRID_ROW = 7, 8
-    _launcher.clear_cache()            # launchers made above keep their plans
+    _cache.clear()            # launchers made above keep their plans
     for i, (dtype_name, op, (rows, hidden), layout) in enumerate(
             itertools.product(DTYPES, OPS, SPLIT_CASES, ("contiguous", "offset_inplace"))):
         wkind, woff = WEIGHTS[i % len(WEIGHTS)]
         calls += 1
         wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
     _plan.MAX_GRID_X, _plan.GRID_ROW = grid_limits
-    _launcher.clear_cache()
+    _cache.clear()
 
     clusters = _driver.device(0).max_cluster > 1
     for i, (dtype_name, op, (rows, hidden, forced), layout) in enumerate(
@@ -174,7 +174,7 @@ def run_grid(args):
             continue
         wkind, woff = WEIGHTS[i % len(WEIGHTS)]
         calls += 1
-        with _launcher.forced_plan(**forced):
+        with _cache.forced_plan(**forced):
             wrong += not run(rng, op, dtype_name, hidden, layout, rows, MODES[i % 2], wkind, woff)
     return wrong, calls
 

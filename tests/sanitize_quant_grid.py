@@ -29,7 +29,7 @@ from sanitize_grid import launch_shapes, make_input
 from test_gpu_quant import compare_q, compare_scales, tolerances
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _launcher, _plan
+from cupy_rmsnorm import _cache, _plan
 from cupy_rmsnorm import _reference as R
 
 FORMS = ("static", "per_token", "per_group")
@@ -110,7 +110,7 @@ def main():
     args = parser.parse_args()
     cp.cuda.set_allocator(None)        # one cudaMalloc per array: memcheck sees exact bounds
     plans = []
-    with _launcher.forced_plan(record=plans):
+    with _cache.forced_plan(record=plans):
         wrong, calls = run_grid(args)
     cp.cuda.Device().synchronize()
     seen = launch_shapes(plans)
@@ -140,14 +140,14 @@ def run_grid(args):
                              ("fp32", "llama")[n % 2], wkind, woff)
     grid_limits = _plan.MAX_GRID_X, _plan.GRID_ROW
     _plan.MAX_GRID_X, _plan.GRID_ROW = 7, 8
-    _launcher.clear_cache()
+    _cache.clear()
     for i, (form, op, (rows, hidden)) in enumerate(itertools.product(FORMS, OPS, SPLIT_CASES)):
         wkind, woff = WEIGHTS[i % 5]
         calls += 1
         wrong += not run(rng, op, dtypes[i % 3], form, QUANT[i % 3], hidden, "offset" if i % 2 else "contiguous",
                          rows, ("fp32", "llama")[i % 2], wkind, woff)
     _plan.MAX_GRID_X, _plan.GRID_ROW = grid_limits
-    _launcher.clear_cache()
+    _cache.clear()
     return wrong, calls
 
 

@@ -60,7 +60,7 @@ def test_hidden_size_past_int32_is_a_value_error():
         rn.rms_norm(x)
     meta = _interop.Meta(0, (2, 2 ** 31), (2 ** 31, 1), "bfloat16", 2, 0)
     with pytest.raises(ValueError, match=r"^x has hidden size"):
-        _validate.check_arrays(rn._api.Arrays(meta))
+        _validate.check_arrays(rn._layout.Arrays(meta))
 
 
 def test_fused_without_residual_names_it():

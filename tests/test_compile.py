@@ -29,7 +29,7 @@ import re
 import pytest
 
 from cupy_rmsnorm import _compile, launch_plan
-from cupy_rmsnorm._compile import CUDA_TYPES, instantiation_name
+from cupy_rmsnorm._abi import CUDA_TYPES, instantiation_name
 
 ARCHS = ("sm_80", "sm_90")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -17,8 +17,8 @@ import pytest
 from test_compile import ARCHS, ITEMSIZE, MANGLED, NVRTC_MISSING, VECS, _check_batch, _compile_batches
 
 from cupy_rmsnorm import _compile, backward_plan
-from cupy_rmsnorm._compile import CUDA_TYPES, backward_instantiation_name, reduce_instantiation_name
-from cupy_rmsnorm._launcher import ADD_GRAD, DIRECT_WEIGHT, HAS_WEIGHT, LLAMA, WEIGHT_GRAD, row_kernel_flags
+from cupy_rmsnorm._abi import CUDA_TYPES, backward_instantiation_name, reduce_instantiation_name
+from cupy_rmsnorm._abi import ADD_GRAD, DIRECT_WEIGHT, HAS_WEIGHT, LLAMA, WEIGHT_GRAD, row_kernel_flags
 
 pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=f"NVRTC compile test: {NVRTC_MISSING}")
 

@@ -20,7 +20,7 @@ from test_compile import (ARCHS, HIDDEN_SIZES, ITEMSIZE, MANGLED, MAX_CLUSTER, N
                           _check_batch, _compile_batches, plan_kind)
 
 from cupy_rmsnorm import _compile, launch_plan
-from cupy_rmsnorm._compile import CUDA_TYPES, QUANT_FORMS, QUANT_TYPES, quant_instantiation_name
+from cupy_rmsnorm._abi import CUDA_TYPES, QUANT_FORMS, QUANT_TYPES, quant_instantiation_name
 from cupy_rmsnorm._plan import QUANT_GROUP
 
 pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=f"NVRTC compile test: {NVRTC_MISSING}")

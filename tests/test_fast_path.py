@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from cupy_rmsnorm import _interop, _launcher
+from cupy_rmsnorm import _cache, _interop, _launcher
 
 
 def _overlaps(pa, extent_a, pb, extent_b):
@@ -110,20 +110,20 @@ def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared():
         seen.append(arrays)
         return "launched"
 
-    _launcher.clear_cache()
+    _cache.clear()
     try:
-        _launcher.launches[signature] = entry
+        _cache.launches[signature] = entry
         assert rn.rms_norm(x, w) == "launched"
-        assert _launcher.last_hit == (signature, entry)
-        del _launcher.launches[signature]
+        assert _cache.last_hit == (signature, entry)
+        del _cache.launches[signature]
         assert rn.rms_norm(x, w) == "launched"           # the last hit, no dict lookup
         assert seen == [(x, None, w, None, None)] * 2
         with pytest.raises(TypeError, match="eps"):      # an eps no signature can compare: the full path says
             rn.rms_norm(x, w, eps=np.array([1e-6, 1e-6]))
-        _launcher.clear_cache()
-        assert _launcher.last_hit == (None, None)
+        _cache.clear()
+        assert _cache.last_hit == (None, None)
         with pytest.raises(ValueError, match="CUDA"):    # the full path again: these are CPU tensors
             rn.rms_norm(x, w)
         assert len(seen) == 2
     finally:
-        _launcher.clear_cache()
+        _cache.clear()

@@ -27,7 +27,7 @@ import pytest
 from helpers import DTYPES, gpu_missing, requires_gpu, torch_cuda_missing
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _api, _driver, _launcher
+from cupy_rmsnorm import _abi, _cache, _call, _driver, _launcher, _layout
 
 if gpu_missing() is None:
     import cupy as cp
@@ -283,7 +283,7 @@ def test_forced_plans(case, dtype_name):
     hidden = hidden_of[np.dtype(DTYPES[dtype_name]).itemsize]
     rs = cp.random.RandomState(_seed("forced", dtype_name, case))
     plans, failures = [], []
-    with _launcher.forced_backward_plan(record=plans, **force):
+    with _cache.forced_backward_plan(record=plans, **force):
         for op in OPS:
             # layouts that keep the full vector width (a strided x, or a qkv view, meets its
             # contiguous dx at another alignment: a narrower vector these geometries do not cover)
@@ -305,7 +305,7 @@ def test_a_plan_fitted_to_its_kernels_occupancy_keeps_that_kernel():
     kernel, which was not the one compiled (that launch failed: CUDA_ERROR_INVALID_VALUE)."""
     rs = cp.random.RandomState(_seed("replan", 1))
     plans = []
-    with _launcher.forced_backward_plan(record=plans):
+    with _cache.forced_backward_plan(record=plans):
         for op in OPS:
             msg = run_call(Data(rs, op, "float32", (1000, 4096), "fp32", "same", 0.0), "2d")
             assert msg is None, (op, msg)
@@ -325,7 +325,7 @@ def test_staged_rows_give_the_register_kernels_bits(op, dtype_name):
                 "llama", "float32", 0.0)
     results, plans = [], []
     for staged in (False, True):
-        with _launcher.forced_backward_plan(record=plans, staged=staged, threads_per_row=512, vecs_per_thread=1):
+        with _cache.forced_backward_plan(record=plans, staged=staged, threads_per_row=512, vecs_per_thread=1):
             if op == "rms_norm":
                 results.append(rn.rms_norm_backward(data.dy, data.x, data.w, EPS, casting_mode="llama"))
             else:
@@ -354,7 +354,7 @@ def test_staged_pairs_give_the_one_row_kernels_bits(op, dtype_name, stages, vect
                 (d.sm_count * 21 - 5, hidden), "fp32", "same", 0.5)
     results, plans = [], []
     for step in (1, 2):
-        with _launcher.forced_backward_plan(record=plans, rows_per_step=step, stages=stages, max_blocks_per_sm=1):
+        with _cache.forced_backward_plan(record=plans, rows_per_step=step, stages=stages, max_blocks_per_sm=1):
             if op == "rms_norm":
                 results.append(rn.rms_norm_backward(data.dy, data.x, data.w, EPS, weight_offset=0.5))
             else:
@@ -379,7 +379,7 @@ def test_staged_pairs_of_128_vectors_as_the_heuristic_plans_them(dtype_name):
     hidden = 128 * 16 // np.dtype(DTYPES[dtype_name]).itemsize
     rs = cp.random.RandomState(_seed("pairs of 128", dtype_name))
     plans, failures = [], []
-    with _launcher.forced_backward_plan(record=plans):      # no override: the heuristic's plans
+    with _cache.forced_backward_plan(record=plans):      # no override: the heuristic's plans
         for rows, (mode, wk, wo) in ((d.sm_count * 12, ("llama", "float32", 0.0)),
                                      (d.sm_count * 24 - 1, ("fp32", "same", 1.0)),
                                      (d.sm_count * 52 - 1, ("llama", "same", 0.0))):
@@ -413,7 +413,7 @@ def test_row_kernel_gives_the_register_kernels_bits(op, dtype_name):
                 if sms is None:       # one row is the row kernel on any device: dweight direct
                     break
                 d.sm_count = sms
-                with _launcher.forced_backward_plan(record=plans):
+                with _cache.forced_backward_plan(record=plans):
                     if op == "rms_norm":
                         results.append(rn.rms_norm_backward(data.dy, data.x, data.w, EPS, casting_mode="llama"))
                     else:
@@ -454,11 +454,11 @@ def test_row_kernel_flags_compiled_in(op, dtype_name):
             if heads:                 # the same rows as heads 1 and 3 of (rows, 4, hidden): n_inner 2
                 arrays = {k: None if a is None else place("qkv", cp.stack([a, a], axis=1), a.dtype)
                           for k, a in arrays.items()}
-            b = _api.BackwardArrays(arrays["dy"], arrays["x"], arrays["d_residual_out"], weight)
-            dx, dw = _api._backward_call(fused, b, EPS, 1.0, mode, weight_grad)
+            b = _layout.BackwardArrays(arrays["dy"], arrays["x"], arrays["d_residual_out"], weight)
+            dx, dw = _call.backward_call(fused, b, EPS, 1.0, mode, weight_grad)
             return dx.reshape(rows, -1, hidden)[:, -1], dw
 
-        _launcher.clear_cache()
+        _cache.clear()
         plain = call()
         assert compare("dx", plain[0], data.ref[0], data.ref[2]) is None
         assert compare("dweight", plain[1], data.ref[1], data.ref[3]) is None
@@ -471,16 +471,22 @@ def test_row_kernel_flags_compiled_in(op, dtype_name):
         dx, dw = call(heads=True)         # every row twice: dweight doubles (added in another order)
         assert G.same_bits(dx, plain[0]) is None
         assert compare("dweight", dw, 2 * data.ref[1], 2 * data.ref[3]) is None
-        flags = {k[2] for launcher in _launcher._backward_cache.values() for k in launcher._row_kernels}
-        base = (_launcher.LLAMA if mode == "llama" else 0) | _launcher.HAS_WEIGHT | (_launcher.ADD_GRAD if fused else 0)
-        grad = _launcher.WEIGHT_GRAD | (_launcher.DIRECT_WEIGHT if rows == 1 else 0)    # one block: dweight direct
-        unit, vectors = _launcher.UNIT_ROWS, _launcher.WEIGHT_VECTORS
+        flags = {k[2] for launcher in backward_launchers() for k in launcher._row_kernels}
+        base = (_abi.LLAMA if mode == "llama" else 0) | _abi.HAS_WEIGHT | (_abi.ADD_GRAD if fused else 0)
+        grad = _abi.WEIGHT_GRAD | (_abi.DIRECT_WEIGHT if rows == 1 else 0)    # one block: dweight direct
+        unit, vectors = _abi.UNIT_ROWS, _abi.WEIGHT_VECTORS
         # the heads of one row are rows of one stride (a leading axis of 1 is dropped); of 5, n_inner is 2
-        heads = base | _launcher.WEIGHT_GRAD | vectors | (unit if rows == 1 else 0)
+        heads = base | _abi.WEIGHT_GRAD | vectors | (unit if rows == 1 else 0)
         assert flags == {base | grad | unit | vectors,                          # plain
-                         (base & ~_launcher.LLAMA) | unit | vectors,           # no dweight: llama dropped
+                         (base & ~_abi.LLAMA) | unit | vectors,           # no dweight: llama dropped
                          base | grad | unit,                                   # the weight off its vectors
                          heads}, sorted(flags)
+
+
+def backward_launchers():
+    """The BackwardLaunchers the signature cache holds (its entries are their bound __call__)."""
+    return [entry.__self__ for entry in _cache.launches.values()
+            if isinstance(getattr(entry, "__self__", None), _launcher.BackwardLauncher)]
 
 
 def test_no_rows():
@@ -496,20 +502,20 @@ def test_fast_path_follows_each_calls_alignment():
     """Calls of one signature (shape, strides, dtypes) take the remembered launcher; one whose
     rows sit an element off the 16-byte grid, or whose dy is, still gets right results (the
     vector width and edges are worked out per call)."""
-    _launcher.clear_cache()
+    _cache.clear()
     rs = cp.random.RandomState(_seed("fast path", 1))
     rows, hidden = 64, 4096
     data = Data(rs, "rms_norm", "bfloat16", (rows, hidden), "fp32", "same", 0.0)
     base = rn.rms_norm_backward(data.dy, data.x, data.w, EPS)
     assert compare("dx", base[0], data.ref[0], data.ref[2]) is None
-    assert len(_launcher._backward_signatures) == 1
+    assert len(backward_launchers()) == 1
     for shift_x, shift_dy in ((1, 1), (0, 1), (1, 0)):
         x, dy = place("offset" if shift_x else "2d", data.x, data.x.dtype), place(
             "offset" if shift_dy else "2d", data.dy, data.dy.dtype)
         dx, dw = rn.rms_norm_backward(dy, x, data.w, EPS)
         assert compare("dx", dx, data.ref[0], data.ref[2]) is None, (shift_x, shift_dy)
         assert compare("dweight", dw, data.ref[1], data.ref[3]) is None, (shift_x, shift_dy)
-    assert len(_launcher._backward_signatures) == 1      # one signature throughout
+    assert len(backward_launchers()) == 1      # one signature throughout
 
 
 # -- determinism --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ a few probe rows are computed alone, checked against the canonical model
 (``canonical_sum_of_squares`` on the host, the hardware rsqrtf, the float32 products, one
 rounding), then placed in batches of 1 to 16384 rows at several positions, under every plan
 the launcher chooses for those batches (warp groups, blocks, clusters, streamed rows),
-under forced plans (``_launcher.forced_plan``), in strided and 3-D layouts, in place, and
+under forced plans (``_cache.forced_plan``), in strided and 3-D layouts, in place, and
 with the narrower vector widths that the arrays' relative alignment leaves; every time
 their outputs must be the alone bits. float32 shows any change of the sum in y's bits;
 16-bit outputs show it only where a product lies near a rounding midpoint, hence the
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from helpers import DTYPE_NAMES, DTYPES, EPS, FUSED, OPS, gpu_missing, requires_gpu, seed
 
-from cupy_rmsnorm import _launcher
+from cupy_rmsnorm import _cache
 from cupy_rmsnorm._reference import canonical_sum_of_squares
 
 if gpu_missing() is None:
@@ -169,7 +169,7 @@ def test_a_row_alone_and_in_batches(op, dtype_name, hidden):
     every = _aligned_every(hidden, probes.dtype.itemsize)
     cap = max(1, MAX_ELEMENTS // hidden)
     plans = []
-    with _launcher.forced_plan(record=plans):          # no override: the heuristic's plans, recorded
+    with _cache.forced_plan(record=plans):          # no override: the heuristic's plans, recorded
         for rows in sorted({min(n, cap) for n in BATCHES}):
             for layout in ("contiguous", "padded"):
                 x, res = _batch(probes, rows, layout)
@@ -235,7 +235,7 @@ def test_forced_plans(op, dtype_name, hidden):
         at = list(range(1, PROBES + 1))
         probes.place(x, res, at)
         plans = []
-        with _launcher.forced_plan(record=plans, **overrides):
+        with _cache.forced_plan(record=plans, **overrides):
             y, s = _call(op, x, res, probes.w, out=out, res_out=res_out)
         assert plans and all(getattr(plans[0], k) == v for k, v in overrides.items()), (overrides, plans)
         probes.check(y, s, at, f"forced {overrides} (vec {plans[0].vec})")
@@ -285,7 +285,7 @@ def test_layouts_and_vector_widths(op, dtype_name, hidden):
     for layout in LAYOUTS:
         x, res, out, res_out, row = _layout(probes, layout)
         plans = []
-        with _launcher.forced_plan(record=plans):     # a first call shows the call's vector width
+        with _cache.forced_plan(record=plans):     # a first call shows the call's vector width
             _call(op, x, res, probes.w, out=out, res_out=res_out)
         vec_bytes = plans[0].vec * itemsize
         widths.add(plans[0].vec)

@@ -31,7 +31,7 @@ import pytest
 from helpers import DTYPE_NAMES, DTYPES, gpu_missing, requires_gpu, requires_torch_gpu
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _reference as R
+from cupy_rmsnorm import _abi, _cache, _reference as R
 
 if gpu_missing() is None:
     import cupy as cp
@@ -460,9 +460,9 @@ def test_32_bit_offsets_give_the_same_bits(form):
              (lambda: rn.rms_norm_quant(heads, w, **kw), False))
     for call, flat in calls:
         plans, forced = [], []
-        with _launcher.forced_plan(record=plans):
+        with _cache.forced_plan(record=plans):
             default = [cp.asnumpy(o).view(np.uint8) for o in call()]
-        with _launcher.forced_plan(record=forced, flat=False):
+        with _cache.forced_plan(record=forced, flat=False):
             wide = [cp.asnumpy(o).view(np.uint8) for o in call()]
         assert [p.flat for p in plans] == [flat] and [p.flat for p in forced] == [False]
         assert len(default) == len(wide) and all(np.array_equal(a, b) for a, b in zip(default, wide))
@@ -495,7 +495,7 @@ def test_scales_and_their_inverses_are_the_correctly_rounded_divisions(quant_dty
     from cupy_backends.cuda.libs import nvrtc
 
     from cupy_rmsnorm import _compile
-    name = f"check_scales<{_compile.QUANT_TYPES[quant_dtype]}>"
+    name = f"check_scales<{_abi.QUANT_TYPES[quant_dtype]}>"
     module = cp.RawModule(code=_compile.kernel_source() + _SCALE_CHECK,
                           options=_compile.nvrtc_options(nvrtc.getVersion()[0]), name_expressions=[name])
     wrong = cp.zeros(1, cp.uint64)

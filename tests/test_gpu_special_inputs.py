@@ -10,7 +10,7 @@ import pytest
 from helpers import DTYPE_NAMES, DTYPES, EPS, FUSED, MODES, OPS, gpu_missing, requires_gpu, seed
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _launcher, _plan
+from cupy_rmsnorm import _cache, _plan
 
 if gpu_missing() is None:
     import cupy as cp
@@ -127,7 +127,7 @@ def test_split_grid(monkeypatch, op, dtype_name):
     plans = []
     monkeypatch.setattr(_plan, "MAX_GRID_X", 7)
     monkeypatch.setattr(_plan, "GRID_ROW", 8)
-    with _launcher.forced_plan(record=plans):       # the heuristic's plans, recorded
+    with _cache.forced_plan(record=plans):       # the heuristic's plans, recorded
         _split_grid_calls(op, dtype_name, dtype, plans)
 
 
@@ -158,7 +158,7 @@ def test_first_call_of_a_signature_in_a_fresh_thread():
     out = G.poisoned_like(x)
     rn.rms_norm(x, w, out=out)                     # compiled and cached here
     cp.cuda.Device().synchronize()
-    _launcher.clear_cache()                        # the thread's call plans anew
+    _cache.clear()                        # the thread's call plans anew
     errors = []
 
     def call():

@@ -1,10 +1,18 @@
-"""The kernel's Params struct and Flags enum against their Python mirror (_launcher),
-read from the CUDA source, so the two sides cannot drift apart unnoticed."""
+"""The kernels' Params structs, flags and enums against their Python mirror (_abi), read
+from the CUDA sources, so the two sides cannot drift apart unnoticed."""
 
+import os
 import re
 
-from cupy_rmsnorm import _launcher
-from cupy_rmsnorm._compile import kernel_source
+from cupy_rmsnorm import _abi
+from cupy_rmsnorm import _compile
+
+
+def kernel_source(program=None):
+    """Every file of kernels/ (headers and programs) as one text: each struct and enum is
+    defined once, in whichever file it lives."""
+    return "\n".join(_compile.kernel_file(n) for n in sorted(os.listdir(_compile.kernels_dir()))
+                     if n.endswith(_compile.KERNEL_SUFFIXES))
 
 _SIZES = {"long long": 8, "int": 4, "float": 4, "RowStrides": 16}
 
@@ -25,9 +33,9 @@ def _struct_fields(source, name):
 def test_params_match_the_kernel():
     src = kernel_source()
     size = int(re.search(r"static_assert\(sizeof\(Params\) == (\d+)", src).group(1))
-    assert size == _launcher.PARAMS_BYTES == _launcher.PARAMS_DTYPE.itemsize
+    assert size == _abi.PARAMS_BYTES == _abi.PARAMS_DTYPE.itemsize
     fields = _struct_fields(src, "Params")
-    dtype = _launcher.PARAMS_DTYPE
+    dtype = _abi.PARAMS_DTYPE
     assert [f for f, _ in fields] == list(dtype.names)
     for name, ctype in fields:
         assert dtype.fields[name][0].itemsize == _SIZES[ctype], name
@@ -39,15 +47,15 @@ def test_params_match_the_kernel():
 def test_flags_match_the_kernel():
     body = re.search(r"enum Flags \{(.*?)\};", kernel_source(), re.S).group(1)
     flags = {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
-    assert flags == _launcher.FLAGS
+    assert flags == _abi.FLAGS
 
 
 def test_backward_params_match_the_kernel():
     src = kernel_source("backward")
-    for struct, size_attr, dtype in (("BackwardParams", "BACKWARD_PARAMS_BYTES", _launcher.BACKWARD_PARAMS_DTYPE),
-                                     ("ReduceParams", "REDUCE_PARAMS_BYTES", _launcher.REDUCE_PARAMS_DTYPE)):
+    for struct, size_attr, dtype in (("BackwardParams", "BACKWARD_PARAMS_BYTES", _abi.BACKWARD_PARAMS_DTYPE),
+                                     ("ReduceParams", "REDUCE_PARAMS_BYTES", _abi.REDUCE_PARAMS_DTYPE)):
         size = int(re.search(r"static_assert\(sizeof\(%s\) == (\d+)" % struct, src).group(1))
-        assert size == getattr(_launcher, size_attr) == dtype.itemsize, struct
+        assert size == getattr(_abi, size_attr) == dtype.itemsize, struct
         fields = _struct_fields(src, struct)
         assert [f for f, _ in fields] == list(dtype.names), struct
         for name, ctype in fields:
@@ -59,12 +67,12 @@ def test_backward_params_match_the_kernel():
 def test_backward_flags_match_the_kernel():
     body = re.search(r"enum BackwardFlags \{(.*?)\};", kernel_source("backward"), re.S).group(1)
     flags = {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
-    assert flags == _launcher.BACKWARD_FLAGS
-    assert not set(flags.values()) & set(_launcher.FLAGS.values())     # one Params.flags word
+    assert flags == _abi.BACKWARD_FLAGS
+    assert not set(flags.values()) & set(_abi.FLAGS.values())     # one Params.flags word
 
 
 def test_row_kernel_flags():
-    L = _launcher
+    L = _abi
     every = L.LLAMA | L.HAS_WEIGHT | L.ADD_GRAD | L.WEIGHT_GRAD | L.DIRECT_WEIGHT
     assert L.row_kernel_flags(every, True, True) == every | L.UNIT_ROWS | L.WEIGHT_VECTORS
     assert L.row_kernel_flags(every, False, False) == every
@@ -76,16 +84,16 @@ def test_row_kernel_flags():
 def test_reduce_geometry_matches_the_kernel():
     src = kernel_source("backward")
     m = re.search(r"constexpr int REDUCE_COLUMNS = (\d+), REDUCE_SLICES = (\d+);", src)
-    assert int(m.group(1)) == _launcher.REDUCE_COLUMNS
+    assert int(m.group(1)) == _abi.REDUCE_COLUMNS
     # four columns a thread across, REDUCE_SLICES threads down
     assert "REDUCE_ACROSS = REDUCE_COLUMNS / 4;" in src
-    assert int(m.group(1)) // 4 * int(m.group(2)) == _launcher.REDUCE_BLOCK
+    assert int(m.group(1)) // 4 * int(m.group(2)) == _abi.REDUCE_BLOCK
 
 
 def test_backward_groups_match_the_plan():
     """The kernel's GROUPS (rows in flight per block) is backward_plan's groups_per_block."""
     src = kernel_source("backward")
-    assert "constexpr int GROUPS = ROW_THREADS <= 32 ? 256 / ROW_THREADS : 1;" in src
+    assert "constexpr int GROUPS = THREADS_PER_ROW <= 32 ? 256 / THREADS_PER_ROW : 1;" in src
     from cupy_rmsnorm import _plan
     assert _plan.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32
 
@@ -94,7 +102,7 @@ def test_forward_rows_per_block_match_the_plan():
     """norm_row's compile-time rows a block is launch_plan's rows_per_block: one past 32
     threads a row, else groups sharing WARP_VARIANT_BLOCK threads."""
     src = kernel_source()
-    assert "constexpr int ROWS_PER_BLOCK = ROW_THREADS > 32 ? 1 : 256 / ROW_THREADS;" in src
+    assert "constexpr int ROWS_PER_BLOCK = THREADS_PER_ROW > 32 ? 1 : 256 / THREADS_PER_ROW;" in src
     from cupy_rmsnorm import _plan
     assert _plan.WARP_VARIANT_BLOCK == 256 and _plan.WARP == 32
     for n in (8, 64, 512, 4096):
@@ -107,16 +115,16 @@ def test_zero_weight_offset_reaches_the_kernels_as_negative_zero():
     import math
     from types import SimpleNamespace
     for off in (0.0, -0.0):
-        v = _launcher.kernel_weight_offset(SimpleNamespace(weight_offset=off))
+        v = _abi.kernel_weight_offset(SimpleNamespace(weight_offset=off))
         assert v == 0 and math.copysign(1.0, v) == -1.0
-    assert _launcher.kernel_weight_offset(SimpleNamespace(weight_offset=1.0)) == 1.0
+    assert _abi.kernel_weight_offset(SimpleNamespace(weight_offset=1.0)) == 1.0
 
 
 def test_quant_params_match_the_kernel():
     src = kernel_source()
     size = int(re.search(r"static_assert\(sizeof\(QuantParams\) == (\d+)", src).group(1))
-    dtype = _launcher.QUANT_PARAMS_DTYPE
-    assert size == _launcher.QUANT_PARAMS_BYTES == dtype.itemsize
+    dtype = _abi.QUANT_PARAMS_DTYPE
+    assert size == _abi.QUANT_PARAMS_BYTES == dtype.itemsize
     fields = _struct_fields(src, "QuantParams")
     assert [f for f, _ in fields] == list(dtype.names)
     for name, ctype in fields:
@@ -136,11 +144,11 @@ def test_quant_enums_and_constants_match():
     from cupy_rmsnorm import _compile, _plan, _reference
     forms = _enum("QuantForm")
     assert forms.pop("kPlain") == 0
-    assert forms == {"kStatic": _compile.QUANT_FORMS["static"], "kPerToken": _compile.QUANT_FORMS["per_token"],
-                     "kPerGroup": _compile.QUANT_FORMS["per_group"]}
+    assert forms == {"kStatic": _abi.QUANT_FORMS["static"], "kPerToken": _abi.QUANT_FORMS["per_token"],
+                     "kPerGroup": _abi.QUANT_FORMS["per_group"]}
     types = _enum("QuantType")
-    assert types == {"kE4M3": _compile.QUANT_TYPES["float8_e4m3fn"], "kE5M2": _compile.QUANT_TYPES["float8_e5m2"],
-                     "kInt8": _compile.QUANT_TYPES["int8"]}
+    assert types == {"kE4M3": _abi.QUANT_TYPES["float8_e4m3fn"], "kE5M2": _abi.QUANT_TYPES["float8_e5m2"],
+                     "kInt8": _abi.QUANT_TYPES["int8"]}
     src = kernel_source()
     for kname, qname in (("kE4M3", "float8_e4m3fn"), ("kE5M2", "float8_e5m2"), ("kInt8", "int8")):
         value = re.search(r"struct QuantMax<%s> \{ static constexpr float value = ([\d.]+)f; \};" % kname, src)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cupy_rmsnorm as rn
+from cupy_rmsnorm import _cache
 from helpers import TOL, requires_two_gpus, requires_two_torch_gpus
 
 
@@ -37,7 +38,7 @@ def fresh_kernel_cache(monkeypatch):
     """An empty kernel cache (and no remembered launchers) that counts compiles per (device, expr)."""
     from cupy_rmsnorm import _compile, _launcher
     monkeypatch.setattr(_compile.kernel_cache, "_functions", {})
-    _launcher.clear_cache()                   # launchers hold kernels: start without any
+    _cache.clear()                   # launchers hold kernels: start without any
     compiles = collections.Counter()
     real_compile = _compile._compile
 
@@ -47,7 +48,7 @@ def fresh_kernel_cache(monkeypatch):
 
     monkeypatch.setattr(_compile, "_compile", counting_compile)
     yield compiles
-    _launcher.clear_cache()
+    _cache.clear()
 
 
 # -- arrays on device 1 while device 0 is current --------------------------------------------

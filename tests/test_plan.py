@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _compile as _compile_names
+from cupy_rmsnorm import _abi
 from cupy_rmsnorm import _layout
 from cupy_rmsnorm._plan import backward_refit_keywords, vector_width
 
@@ -712,7 +712,7 @@ def test_staged_backward_plan_table(args, expected):
     stage = arrays * hidden * itemsize + 8
     assert p.shared_bytes == p.stages * stage and p.block == p.threads_per_row and p.groups_per_block == 1
     assert p.template_args() == expected[:3] and not p.edges
-    name = _compile_names.backward_instantiation_name("bfloat16", None, p)
+    name = _abi.backward_instantiation_name("bfloat16", None, p)
     assert name == ("rmsnorm::rms_norm_backward_staged_kernel<__nv_bfloat16, __nv_bfloat16, "
                     f"{expected[0]}, {expected[1]}, {expected[2]}>")
 

@@ -1,0 +1,104 @@
+"""The kernels' ABI, mirrored on the host: the Params structs each kernel takes by value
+(as NumPy record dtypes, packed field for field), the flags and enums, and the C++ names of
+the instantiations NVRTC compiles. The C side is kernels/common.cuh, kernels/quant.cuh,
+kernels/rms_norm.cu and kernels/rms_norm_backward.cu; a CPU test reads both sides. Eight-byte
+fields come first and nothing is padded, so a struct's size is the sum of its fields.
+"""
+
+import numpy as np
+
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+# -- forward: enum Flags and struct Params (kernels/common.cuh, kernels/rms_norm.cu) --------------
+FLAGS = {"kLlama": 1, "kHasWeight": 2, "kEarlyTrigger": 4}
+LLAMA, HAS_WEIGHT, EARLY_TRIGGER = FLAGS["kLlama"], FLAGS["kHasWeight"], FLAGS["kEarlyTrigger"]
+PARAMS_BYTES = 96
+PARAMS_DTYPE = np.dtype([
+    ("rows", "<i8"), ("n_inner", "<i8"),
+    ("x", "<i8", (2,)), ("residual", "<i8", (2,)), ("out", "<i8", (2,)), ("residual_out", "<i8", (2,)),
+    ("hidden", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"),
+])
+assert PARAMS_DTYPE.itemsize == PARAMS_BYTES
+
+# -- quantized forms: enum QuantForm, enum QuantType, struct QuantParams (kernels/quant.cuh) -----
+QUANT_FORMS = {"static": 1, "per_token": 2, "per_group": 3}
+QUANT_TYPES = {"float8_e4m3fn": 0, "float8_e5m2": 1, "int8": 2}
+QUANT_PARAMS_BYTES = 24
+QUANT_PARAMS_DTYPE = np.dtype([("scales_row", "<i8"), ("scales_group", "<i8"), ("scale_ub", "<f4"),
+                               ("pad", "<i4")])
+assert QUANT_PARAMS_DTYPE.itemsize == QUANT_PARAMS_BYTES
+
+# -- backward: enum BackwardFlags, struct BackwardParams, ReduceParams (kernels/rms_norm_backward.cu)
+BACKWARD_FLAGS = {"kAddGrad": 8, "kWeightGrad": 16, "kDirectWeight": 32,     # with FLAGS' kLlama and kHasWeight
+                  "kUnitRows": 64, "kWeightVectors": 128}                      # the row kernel's promises
+ADD_GRAD, WEIGHT_GRAD, DIRECT_WEIGHT, UNIT_ROWS, WEIGHT_VECTORS = (
+    BACKWARD_FLAGS[k] for k in ("kAddGrad", "kWeightGrad", "kDirectWeight", "kUnitRows", "kWeightVectors"))
+BACKWARD_PARAMS_BYTES = 112
+BACKWARD_PARAMS_DTYPE = np.dtype([
+    ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
+    ("dy", "<i8", (2,)), ("x", "<i8", (2,)), ("d_residual_out", "<i8", (2,)), ("dx", "<i8", (2,)),
+    ("hidden", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"),
+    ("stages", "<i4"), ("unused", "<i4"),
+])
+assert BACKWARD_PARAMS_DTYPE.itemsize == BACKWARD_PARAMS_BYTES
+REDUCE_PARAMS_BYTES = 16
+REDUCE_PARAMS_DTYPE = np.dtype([("partials", "<i8"), ("hidden", "<i8")])
+assert REDUCE_PARAMS_DTYPE.itemsize == REDUCE_PARAMS_BYTES
+REDUCE_COLUMNS, REDUCE_BLOCK = 32, 256      # the reduction kernel's REDUCE_COLUMNS and block
+
+
+def kernel_weight_offset(scalars):
+    """The offset the kernels add to the weights: -0 for an offset of 0, since w + -0 is w for
+    every w (-0 included), so the weight is used as it is (_reference.offset_weight)."""
+    return scalars.weight_offset or -0.0
+
+
+def row_kernel_flags(flags, unit_rows, weight_vectors):
+    """The template FLAGS of rms_norm_backward_row_kernel for a call's BackwardParams flags:
+    kLlama only where it matters (dweight), and the promises that hold: ``unit_rows`` (n_inner
+    is 1) and ``weight_vectors`` (rows without edges and a weight aligned to its vectors)."""
+    if not flags & WEIGHT_GRAD:
+        flags &= ~LLAMA
+    if unit_rows:
+        flags |= UNIT_ROWS
+    if weight_vectors and flags & HAS_WEIGHT:
+        flags |= WEIGHT_VECTORS
+    return flags
+
+
+# -- the instantiations' names (NVRTC's name expressions) ------------------------------------------
+def instantiation_name(dtype, weight_dtype, fused, plan):
+    """The C++ name of the instantiation a LaunchPlan needs, as NVRTC's name_expressions want it."""
+    t = CUDA_TYPES[dtype]
+    w = CUDA_TYPES[weight_dtype or dtype]
+    args = ", ".join(str(a) for a in plan.template_args())
+    kernel = "rms_norm_cluster_kernel" if plan.cluster > 1 else "rms_norm_kernel"
+    return f"rmsnorm::{kernel}<{t}, {w}, {'true' if fused else 'false'}, {args}>"
+
+
+def quant_instantiation_name(dtype, weight_dtype, fused, plan, form, quant_dtype):
+    """The name expression of the quantized kernel (``form`` a QUANT_FORMS key, ``quant_dtype`` a
+    QUANT_TYPES key) a LaunchPlan needs."""
+    args = ", ".join(str(a) for a in plan.template_args())
+    kernel = "rms_norm_quant_cluster_kernel" if plan.cluster > 1 else "rms_norm_quant_kernel"
+    flat = "" if plan.cluster > 1 else ", true" if plan.flat else ", false"     # FLAT: not with clusters
+    return (f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, "
+            f"{'true' if fused else 'false'}, {args}, {QUANT_FORMS[form]}, {QUANT_TYPES[quant_dtype]}{flat}>")
+
+
+def backward_instantiation_name(dtype, weight_dtype, plan, flags=None):
+    """The name expression of the backward kernel a BackwardPlan needs (program "backward");
+    the row kernel's also has its ``flags`` (``row_kernel_flags``) compiled in."""
+    args = ", ".join(str(a) for a in plan.template_args())
+    if plan.variant == "row":
+        if flags is None:
+            raise ValueError("the row kernel's instantiation needs its flags")
+        args += f", {flags}"
+    kernel = {"staged": "rms_norm_backward_staged_kernel", "row": "rms_norm_backward_row_kernel"}.get(
+        plan.variant, "rms_norm_backward_kernel")
+    return f"rmsnorm::{kernel}<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, {args}>"
+
+
+def reduce_instantiation_name(weight_dtype):
+    """The name expression of the dweight reduction writing ``weight_dtype`` (program "backward")."""
+    return f"rmsnorm::rms_norm_backward_reduce_kernel<{CUDA_TYPES[weight_dtype]}>"

@@ -1,0 +1,216 @@
+// The sum of squares: one canonical tree per hidden size.
+//
+// A row's sum of squares is a complete binary tree over the element index j, padded with
+// zeros to a power of two, adding low index bits first. Threads hold the row in the strided
+// order j = e + VEC * (lane + 32 * (warp + WARPS * (rank + CLUSTER * i))) (e: element of a
+// vector; i: the thread's i-th vector, or the streamed loop's i-th step), so the tree is, in
+// this order: each vector's elements, the lanes (xor butterflies 1, 2, 4, ...), the warps,
+// the cluster's blocks, and only then the steps i, each kept apart until then (in "slots").
+// Every plan computes that same tree: a power-of-two split only moves the line between the
+// levels, and a zero (a slot or lane past the row's end) adds nothing, squares being >= 0.
+// cupy_rmsnorm/_reference.py (canonical_sum_of_squares) is the same tree in NumPy.
+#pragma once
+
+#include "common.cuh"
+
+namespace rmsnorm {
+
+// q[0] + ... + q[N - 1] as a binary tree over the index, low bits first (N a power of two).
+template <int N>
+__device__ __forceinline__ float pairwise_sum(float (&q)[N]) {
+#pragma unroll
+    for (int w = 1; w < N; w *= 2)
+#pragma unroll
+        for (int k = 0; k < N; k += 2 * w) q[k] += q[k + w];
+    return q[0];
+}
+
+// __fmul_rn: the square is rounded on its own, never fused into the add that follows (an FMA
+// would round differently from a plan that adds this square in another thread).
+__device__ __forceinline__ float square(float f) { return __fmul_rn(f, f); }
+
+template <typename T, int VEC>
+__device__ __forceinline__ float vector_squares(const Pack<T, VEC>& a) {
+    float q[VEC];
+    unpack(a, q);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) q[e] = square(q[e]);
+    return pairwise_sum(q);
+}
+
+// c ? a : b, as a select of the values: the compiler may otherwise select the address of
+// one of two array elements, and a computed address puts the array in local memory.
+__device__ __forceinline__ float pick(bool c, float a, float b) {
+    float r;
+    asm("{ .reg .pred c; setp.ne.b32 c, %3, 0; selp.f32 %0, %1, %2, c; }" : "=f"(r) : "f"(a), "f"(b), "r"((int)c));
+    return r;
+}
+
+// SLOTS partial sums per thread (a power of two), each summed over the LANES lanes of a group
+// (a power of two up to 32; xor butterflies, lane bits low to high). Each exchange also halves
+// the slots a lane goes on with (a reduce-scatter: the lane whose bit is 0 keeps the lower
+// half), so SLOTS slots cost SLOTS - 1 + log2(LANES / SLOTS) shuffles, not SLOTS x log2(LANES).
+// Afterwards lane l keeps KEPT slots, p[r] being slot held(l, r); lanes alike in their low H
+// bits hold the same values (float addition is commutative).
+template <int SLOTS, int LANES>
+struct SlotSums {
+    static constexpr int H = log2_of(SLOTS < LANES ? SLOTS : LANES);   // halving exchanges
+    static constexpr int KEPT = SLOTS >> H;
+    static constexpr int HOLDERS = 1 << H;    // lanes 0 .. HOLDERS - 1 hold every slot once
+
+    __device__ static int held(int lane, int r) {   // lane bit k carries slot bit log2(SLOTS) - 1 - k
+        int s = r;
+#pragma unroll
+        for (int k = 0; k < H; ++k) s += ((lane >> k) & 1) * (SLOTS >> (k + 1));
+        return s;
+    }
+
+    __device__ static void over_lanes(float (&p)[SLOTS]) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int k = 0; k < H; ++k) {
+            const int half = SLOTS >> (k + 1);
+            const bool upper = (lane >> k) & 1;
+#pragma unroll
+            for (int r = 0; r < SLOTS / 2; ++r) {   // (a constant trip count: unrolled in full)
+                if (r >= half) break;
+                const float give = pick(upper, p[r], p[r + half]);
+                const float keep = pick(upper, p[r + half], p[r]);
+                p[r] = keep + __shfl_xor_sync(0xffffffffu, give, 1 << k);
+            }
+        }
+#pragma unroll
+        for (int o = HOLDERS; o < LANES; o *= 2)
+#pragma unroll
+            for (int r = 0; r < KEPT; ++r) p[r] += __shfl_xor_sync(0xffffffffu, p[r], o);
+    }
+
+    // After over_lanes (and any levels above it): the slots' binary tree, slot bits low to
+    // high (a lane's own KEPT slots, then across the holders); every lane gets the total.
+    __device__ static float slot_tree(float (&p)[SLOTS]) {
+#pragma unroll
+        for (int w = 1; w < KEPT; w *= 2)
+#pragma unroll
+            for (int r = 0; r < KEPT; r += 2 * w) p[r] += p[r + w];
+        float t = p[0];
+#pragma unroll
+        for (int k = H - 1; k >= 0; --k) t += __shfl_xor_sync(0xffffffffu, t, 1 << k);
+        return t;
+    }
+};
+
+// The last levels of a cluster's tree: p (SlotSums<SLOTS, WARPS>::over_lanes done) holds this
+// block's slots; sum each slot over the CLUSTER blocks through distributed shared memory, as
+// a binary tree over the rank, then the slots' tree. Every thread of the cluster calls it, in
+// every round (first_round: no call before it in this kernel); the caller then calls
+// cluster_done() before exiting, so no block leaves while another may still read it.
+template <int SLOTS, int WARPS, int CLUSTER>
+__device__ __forceinline__ float cluster_total(float (&p)[SLOTS], bool first_round) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using Warps = SlotSums<SLOTS, WARPS>;
+    __shared__ float block_sums[SLOTS];
+    if (!first_round) cluster_wait();          // every block has read the last round's sums
+    if (threadIdx.x < Warps::HOLDERS) {
+#pragma unroll
+        for (int r = 0; r < Warps::KEPT; ++r) block_sums[Warps::held(threadIdx.x, r)] = p[r];
+    }
+    cluster_arrive();
+    cluster_wait();
+    // lane l reads block l % CLUSTER: each group of CLUSTER lanes reduces the whole cluster
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(block_sums));
+    const unsigned rank = threadIdx.x % CLUSTER;
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    float q[SLOTS];
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s)
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(q[s]) : "r"(remote + 4u * s) : "memory");
+    cluster_arrive();                          // done reading the other blocks
+    using Ranks = SlotSums<SLOTS, CLUSTER>;
+    Ranks::over_lanes(q);
+    return Ranks::slot_tree(q);
+#else
+    __trap();   // clusters need sm_90; the launcher never plans them below
+    return p[0];
+#endif
+}
+
+// The levels above the warps: warp_sums[s][w] is slot s of warp w (slots past `count` count
+// as zeros); the sum per slot over the warps, then over the cluster's blocks, then the slots'
+// tree. Every warp computes it, lane l reading warp l % WARPS (the same total in every thread).
+template <int SLOTS, int WARPS, int CLUSTER>
+__device__ __forceinline__ float block_total(const float (&warp_sums)[SLOTS][WARPS], int count, bool first_round) {
+    const int w = threadIdx.x % WARPS;
+    float p[SLOTS];
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) p[s] = s < count ? warp_sums[s][w] : 0.f;
+    using Warps = SlotSums<SLOTS, WARPS>;
+    Warps::over_lanes(p);
+    if (CLUSTER == 1) return Warps::slot_tree(p);
+    return cluster_total<SLOTS, WARPS, CLUSTER>(p, first_round);
+}
+
+// A row too long for registers is summed an epoch of kEpoch steps at a time: warp_sums[s][w]
+// is step s's sum over warp w's lanes (steps past `count` count as zeros); each step's sum
+// over the warps (by warp s % WARPS), over the cluster's blocks, then the steps' tree. One
+// value per lane at a time: the streamed kernel is short of registers. Every thread calls
+// it, after a __syncthreads (first_round: the row's first epoch). A long row's epochs are
+// then added as a binary counter (push_epoch: level k holds the tree of 2^k epochs), which
+// one thread keeps, and folded at the end with zeros for padding (fold_epochs).
+constexpr int kEpoch = 32;                   // steps per epoch: a warp's lanes hold them all
+constexpr int kEpochLevels = 32;
+
+template <int WARPS, int CLUSTER>
+__device__ __forceinline__ float epoch_total(const float (&warp_sums)[kEpoch][WARPS], int count, bool first_round) {
+    __shared__ float step_sums[kEpoch];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (CLUSTER > 1 && !first_round) cluster_wait();   // every block has read the last epoch's
+#endif
+    for (int s = warp; s < kEpoch; s += WARPS) {
+        float t = s < count ? warp_sums[s][lane % WARPS] : 0.f;
+#pragma unroll
+        for (int o = 1; o < WARPS; o *= 2) t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (lane == 0) step_sums[s] = t;
+    }
+    const float* sums = step_sums;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (CLUSTER > 1) {
+        __shared__ float cluster_sums[kEpoch];
+        cluster_arrive();
+        cluster_wait();
+        const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(step_sums));
+        unsigned remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(lane % CLUSTER));
+        for (int s = warp; s < kEpoch; s += WARPS) {
+            float t;
+            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(t) : "r"(remote + 4u * s) : "memory");
+#pragma unroll
+            for (int o = 1; o < CLUSTER; o *= 2) t += __shfl_xor_sync(0xffffffffu, t, o);
+            if (lane == 0) cluster_sums[s] = t;
+        }
+        cluster_arrive();                        // done reading the other blocks
+        sums = cluster_sums;
+    }
+#endif
+    __syncthreads();
+    float t = sums[lane];
+#pragma unroll
+    for (int o = 1; o < kEpoch; o *= 2) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return t;
+}
+
+__device__ __forceinline__ void push_epoch(float* levels, int index, float t) {
+    int k = 0;
+    for (; (index >> k) & 1; ++k) t = levels[k] + t;
+    levels[k] = t;
+}
+
+__device__ __forceinline__ float fold_epochs(const float* levels, int count) {
+    float t = 0.f;
+    for (int k = 0; (count >> k) != 0; ++k)
+        if ((count >> k) & 1) t = levels[k] + t;
+    return t;
+}
+
+}  // namespace rmsnorm
