@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupy_rmsnorm.bench import cli, peers, sweep, timing
+from cupy_rmsnorm.bench import cli, forward, peers, timing
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -157,7 +157,7 @@ def test_in_place_drift_between_two_restores_stays_finite(dtype):
     timer's first replay (or the warm-up, then that replay), each at most the largest call
     count of a round. float16 would overflow within a few thousand calls; here it keeps a
     wide margin (the GPU's grid has more rows: a somewhat larger largest element)."""
-    calls = 2 * max(hi for _, hi in cli.CALL_LIMITS.values()) + timing.WARMUP_CALLS
+    calls = 2 * max(hi for _, hi in forward.CALL_LIMITS.values()) + timing.WARMUP_CALLS
     case = NumpyCase("fused", dtype, 8, 8192)
     fn = peers.build("ours_ip", case)
     for _ in range(calls):
@@ -191,7 +191,7 @@ def test_a_sweep_checks_times_and_restores_the_in_place_form(monkeypatch):
         def advance(self, n=1):
             pass
     errors = []
-    measured = sweep.Sweep(args, 132, 8, 4000.0, ["ours", "ours_ip"], Bar(), errors.append)
+    measured = forward.Sweep(args, 132, 8, 4000.0, ["ours", "ours_ip"], Bar(), errors.append)
     measured.run()
     assert errors == [] and [e["where"] for e in measured.errors] == ["rms float32 3x128 ours_ip"]
     assert measured.errors[0].get("skipped")
@@ -199,7 +199,7 @@ def test_a_sweep_checks_times_and_restores_the_in_place_form(monkeypatch):
     assert set(by) == {("rms", "ours", "graph"), ("rms", "ours", "hot"), ("fused", "ours", "graph"),
                        ("fused", "ours", "hot"), ("fused", "ours_ip", "graph"), ("fused", "ours_ip", "hot")}
     assert all(r["max_abs_err"] < 1e-5 for r in measured.records)
-    assert by[("fused", "ours_ip", "graph")]["calls"] == cli.CALL_LIMITS["graph"][1]   # 200 calls a round
+    assert by[("fused", "ours_ip", "graph")]["calls"] == forward.CALL_LIMITS["graph"][1]   # 200 calls a round
     fused_case = NumpyCase.made[1]
     np.testing.assert_array_equal(fused_case.x, fused_case.inputs_at_start[0])
     np.testing.assert_array_equal(fused_case.residual, fused_case.inputs_at_start[1])

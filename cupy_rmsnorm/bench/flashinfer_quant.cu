@@ -1,8 +1,8 @@
-// FlashInfer's quantized RMSNorm kernels behind extern "C" entry points, for benchmarks/quant.py
-// (loaded with ctypes). Build against the headers benchmarks/flashinfer_headers.py extracts:
+// FlashInfer's quantized RMSNorm kernels behind extern "C" entry points, the peer of the quant
+// sub-command (loaded with ctypes). flashinfer.py prepares the headers and builds it:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -shared -Xcompiler -fPIC -I.flashinfer/include \
-//        benchmarks/flashinfer_quant.cu -o .flashinfer/libfiquant.so
+//        cupy_rmsnorm/bench/flashinfer_quant.cu -o .flashinfer/libfiquant.so
 //
 // bfloat16 in, float8 e4m3 out, contiguous rows, programmatic dependent launch on (as ours).
 // Each returns the cudaError_t of the launch.

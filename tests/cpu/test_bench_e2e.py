@@ -1,21 +1,19 @@
 """CPU tests of the whole-model benchmark (``python -m cupy_rmsnorm.bench e2e``): arguments,
 the interleaved order, the statistics, the measuring loop with a fake clock, the tables
-and files, the no-GPU exit; with torch and transformers installed, the weight-sharing
-copies, Liger's patch and a tiny eager run of the hf variant on the CPU."""
+and files; with torch and transformers installed, the weight-sharing copies, Liger's patch
+and a tiny eager run of the hf variant on the CPU."""
 
 import csv
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 
-from cupy_rmsnorm.bench import cli, e2e, timing
+from cupy_rmsnorm.bench import cli, common, e2e
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_TRANSFORMERS = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
 requires_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS,
@@ -25,8 +23,12 @@ TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "
 
 
 # -- arguments ------------------------------------------------------------------------------------
+def parse_args(argv):
+    return cli.parse_args(["e2e"] + list(argv))
+
+
 def test_defaults_are_an_8_layer_llama_in_bf16():
-    args = e2e.parse_args([])
+    args = parse_args([])
     assert (args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab) == \
         (8, 4096, 14336, 32, 8, 32000)
     assert args.dtype == "bfloat16" and args.batch == 1
@@ -40,13 +42,14 @@ def test_defaults_are_an_8_layer_llama_in_bf16():
 
 
 def test_flags_choose_variants_modes_sizes():
-    args = e2e.parse_args(["--variants", "liger,ours,liger", "--modes", "eager", "--dtype", "fp16",
+    args = parse_args(["--variants", "liger,ours,liger", "--modes", "eager", "--dtype", "fp16",
                            "--layers", "2", "--new-tokens", "9", "--repeats", "3", "--budget-s", "300",
                            "--no-fullgraph", "--out", "o", "--name", "run"])
     assert args.variants == ["hf", "liger", "ours"]      # hf joins as the reference, duplicates go
     assert args.modes == ["eager"] and args.dtype == "float16"
     assert (args.layers, args.new_tokens, args.repeats, args.budget_s) == (2, 9, 3, 300.0)
     assert args.no_fullgraph and (args.out, args.name) == ("o", "run")
+    assert parse_args([]).name == "e2e"
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -60,37 +63,10 @@ def test_flags_choose_variants_modes_sizes():
 ])
 def test_bad_arguments_are_usage_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
-        e2e.parse_args(argv)
+        parse_args(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
-
-
-def test_the_cli_hands_e2e_to_its_own_parser(monkeypatch):
-    seen = []
-    monkeypatch.setattr(e2e, "main", lambda argv: seen.append(argv) or 7)
-    assert cli.main(["e2e", "--layers", "2"]) == 7
-    assert seen == [["--layers", "2"]]
-    with pytest.raises(SystemExit):                     # the report's parser knows no --layers
-        cli.main(["--layers", "2"])
-
-
-def test_no_gpu_is_one_line_and_exit_1(monkeypatch, capsys):
-    monkeypatch.setattr(timing, "gpu_missing", lambda: "CUDARuntimeError: no device\n(detail)")
-    assert cli.main(["e2e"]) == cli.EXIT_NO_GPU == 1
-    out = capsys.readouterr()
-    assert out.out == "" and out.err.count("\n") == 1
-    assert "no CUDA GPU available (CUDARuntimeError: no device (detail))" in out.err
-
-
-def test_no_gpu_from_the_command_line():
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "e2e", "--modes", "eager"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no CUDA GPU available" in lines[0], proc.stderr
 
 
 # -- order and statistics ---------------------------------------------------------------------------
@@ -203,8 +179,8 @@ def _payload():
                + _timings("eager", "ours", [(0.020, 0.060), (0.020, 0.064)])
                + _timings("compiled", "hf", [(0.010, 0.026)])
                + _timings("compiled", "ours", [(0.010, 0.018)]))
-    meta = {"config": e2e.model_config(e2e.parse_args(TINY)), "dtype": "bfloat16", "batch": 1, "prompt": 8,
-            "new_tokens": 5, "repeats": 2, "gpu": "Fake GPU"}
+    meta = {"command": "e2e", "commit": "abc", "dirty": False, "config": e2e.model_config(parse_args(TINY)),
+            "dtype": "bfloat16", "batch": 1, "prompt": 8, "new_tokens": 5, "repeats": 2, "device": {"gpu": "Fake GPU"}}
     return {"meta": meta, "skipped": {"liger": "liger_kernel is not importable"},
             "errors": [{"where": "compiled ours fullgraph compile", "error": "Unsupported: graph break"}],
             "notes": ["compiled: 1 graphs were compiled during the timed rounds"],
@@ -215,13 +191,13 @@ def _payload():
             "graph_breaks": {"hf": {"graph_count": 1, "graph_break_count": 0},
                              "ours": {"graph_count": 18, "graph_break_count": 17}},
             "compile": {"compiled hf": {"fullgraph": True}, "compiled ours": {"fullgraph": False}},
-            "timings": timings, "summary": e2e.summarize(timings, 5, 1)}
+            "timings": timings, "results": e2e.summarize(timings, 5, 1)}
 
 
 def test_the_report_ends_with_the_table():
     text = e2e.format_report(_payload())
     lines = text.splitlines()
-    assert "Fake GPU" in lines[0] and "2 layers x 64" in lines[0]
+    assert "Fake GPU" in lines[0] and "2 layers x 64" in lines[0] and "commit: abc" in text
     assert "skipped: liger: liger_kernel is not importable" in text
     assert "error: compiled ours fullgraph compile: Unsupported: graph break" in text
     assert "note: compiled: 1 graphs" in text
@@ -238,13 +214,12 @@ def test_the_report_ends_with_the_table():
 
 
 def test_outputs_json_csv_markdown(tmp_path):
-    args = e2e.parse_args(TINY + ["--out", str(tmp_path / "out"), "--name", "h200"])
     payload = _payload()
-    written = e2e.write_outputs(args, payload)
-    stem = tmp_path / "out" / "h200_e2e"
+    written = common.write_report(e2e, payload, str(tmp_path / "out"), "h200")
+    stem = tmp_path / "out" / "h200"
     assert written == [f"{stem}.json", f"{stem}.csv", f"{stem}.md"]
-    saved = json.loads((tmp_path / "out" / "h200_e2e.json").read_text())
-    assert saved["meta"]["gpu"] == "Fake GPU" and len(saved["timings"]) == len(payload["timings"])
+    saved = json.loads((tmp_path / "out" / "h200.json").read_text())
+    assert saved["meta"]["device"]["gpu"] == "Fake GPU" and len(saved["timings"]) == len(payload["timings"])
     with open(f"{stem}.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["mode"], r["variant"]) for r in rows] == [("eager", "hf"), ("eager", "ours"), ("compiled", "hf"),
@@ -255,16 +230,15 @@ def test_outputs_json_csv_markdown(tmp_path):
     assert float(rows[1]["top1_agree"]) == pytest.approx(0.9921875)
     assert float(rows[1]["top1_vs_fp32"]) == pytest.approx(0.96875) and float(rows[0]["top1_vs_fp32"]) == 0.953125
     assert float(rows[0]["max_abs_vs_fp32"]) == 0.25
-    md = (tmp_path / "out" / "h200_e2e.md").read_text()
+    md = (tmp_path / "out" / "h200.md").read_text()
     assert md.count("\n| ") == 5 and "| compiled | ours |" in md and "17* |" in md
     assert "Skipped: liger: liger_kernel is not importable." in md
 
 
 def test_nothing_measured_writes_no_markdown(tmp_path):
-    args = e2e.parse_args(["--out", str(tmp_path)])
-    payload = dict(_payload(), timings=[], summary=[])
-    assert [os.path.basename(p) for p in e2e.write_outputs(args, payload)] == \
-        ["rmsnorm_bench_e2e.json", "rmsnorm_bench_e2e.csv"]
+    payload = dict(_payload(), timings=[], results=[])
+    assert [os.path.basename(p) for p in common.write_report(e2e, payload, str(tmp_path), "e2e")] == \
+        ["e2e.json", "e2e.csv"]
     assert e2e.format_report(payload).endswith("nothing was measured")
 
 
@@ -307,7 +281,7 @@ def test_another_type_error_of_the_fused_patch_is_an_error(monkeypatch):
 
 
 def _tiny_model():
-    return e2e.build_model(e2e.parse_args(TINY + ["--device", "cpu"]))
+    return e2e.build_model(parse_args(TINY + ["--device", "cpu"]))
 
 
 @requires_transformers
@@ -360,14 +334,14 @@ def test_liger_patches_the_copy_only():
 
 @requires_transformers
 def test_a_tiny_eager_run_on_the_cpu(tmp_path, capsys):
-    rc = e2e.main(TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "2", "--out", str(tmp_path)])
+    rc = cli.main(["e2e"] + TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "2", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].split()[:2] == ["eager", "hf"] and out[-3].split()[:2] == ["mode", "variant"]
-    payload = json.loads((tmp_path / "rmsnorm_bench_e2e.json").read_text())
+    payload = json.loads((tmp_path / "e2e.json").read_text())
     assert set(payload["skipped"]) == {"ours", "ours_fused", "liger"} and not payload["errors"]
     assert len(payload["timings"]) == 2 * 2 and all(t["seconds"] > 0 for t in payload["timings"])
-    (row,) = payload["summary"]
+    (row,) = payload["results"]
     assert row["decode_vs_hf"] == 1.0 and row["decode_ms"]["n"] == 2
     assert payload["meta"]["versions"]["transformers"] and payload["meta"]["config"]["num_hidden_layers"] == 2
 
@@ -378,16 +352,16 @@ def test_the_cpu_run_checks_hf_against_float32_and_survives_without_it(tmp_path,
     difference positive (bfloat16 is not float32); a float32 copy that fails (no memory) is
     a note, and the run goes on."""
     argv = TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "1", "--out", str(tmp_path)]
-    assert e2e.main(argv) == 0
-    hf = json.loads((tmp_path / "rmsnorm_bench_e2e.json").read_text())["agreement"]["hf"]
+    assert cli.main(["e2e"] + argv) == 0
+    hf = json.loads((tmp_path / "e2e.json").read_text())["agreement"]["hf"]
     assert 0.0 <= hf["top1_vs_fp32"] <= 1.0 and hf["max_abs_vs_fp32"] > 0.0
 
     def no_memory(model, ids):
         raise MemoryError("no room for a float32 copy")
     monkeypatch.setattr(e2e, "float32_logits", no_memory)
-    assert e2e.main(argv) == 0
-    payload = json.loads((tmp_path / "rmsnorm_bench_e2e.json").read_text())
-    assert payload["agreement"] == {} and payload["summary"]
+    assert cli.main(["e2e"] + argv) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["agreement"] == {} and payload["results"]
     assert payload["notes"] == ["no agreement with the float32 model: MemoryError: no room for a float32 copy"]
 
 
@@ -398,13 +372,13 @@ def test_the_agreement_floor_reimplements_hf_bit_for_bit(tmp_path):
     the Markdown and checked against float32 too."""
     argv = TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "1", "--agree-batch", "2",
                    "--out", str(tmp_path)]
-    assert e2e.main(argv) == 0
-    payload = json.loads((tmp_path / "rmsnorm_bench_e2e.json").read_text())
+    assert cli.main(["e2e"] + argv) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
     floor = payload["agreement_floor"]
     assert floor["reimplementation_max_abs_diff"] == 0.0
     assert 0.0 <= floor["top1_agree"] <= 1.0 and 0.0 <= floor["top1_vs_fp32"] <= 1.0
     assert payload["meta"]["agree_batch"] == 2
-    assert "Agreement floor (hf with its mean of squares in float64" in (tmp_path / "rmsnorm_bench_e2e.md").read_text()
+    assert "Agreement floor (hf with its mean of squares in float64" in (tmp_path / "e2e.md").read_text()
 
 
 def test_a_norm_with_the_mean_in_float64_differs_from_float32_in_the_variance_only():
@@ -457,7 +431,7 @@ def test_warm_up_compiles_again_with_breaks_allowed_after_the_others(monkeypatch
     generate = FakeGenerate(models, breaks={"ours"}, broken={"liger"})
     monkeypatch.setattr(e2e, "dynamo_counters", lambda: {"stats.unique_graphs": generate.graphs})
     monkeypatch.setattr(e2e, "log", lambda msg: None)
-    args = e2e.parse_args(["--new-tokens", "6"])
+    args = parse_args(["--new-tokens", "6"])
     payload = {"compile": {}, "errors": [], "skipped": {}}
     ready = e2e.warm_up("compiled", models, generate, args, payload, elapsed=lambda: 0.0)
     assert ready == ["hf", "ours", "ours_fused"]                   # in the variants' order
@@ -479,7 +453,7 @@ def test_warm_up_that_compiles_nothing_is_not_timed(monkeypatch):
     monkeypatch.setattr(e2e, "dynamo_counters", dict)     # no graph, ever
     monkeypatch.setattr(e2e, "log", lambda msg: None)
     payload = {"compile": {}, "errors": [], "skipped": {}}
-    args = e2e.parse_args([])
+    args = parse_args([])
     assert e2e.warm_up("compiled", {"hf": None}, generate, args, payload, elapsed=lambda: 0.0) == []
     assert "compiled nothing" in payload["errors"][0]["error"]
     assert e2e.warm_up("eager", {"hf": None}, generate, args, payload, elapsed=lambda: 0.0) == ["hf"]
@@ -489,6 +463,6 @@ def test_warm_up_skips_a_compile_past_the_budget(monkeypatch):
     generate = FakeGenerate({"hf": None})
     monkeypatch.setattr(e2e, "log", lambda msg: None)
     payload = {"compile": {}, "errors": [], "skipped": {}}
-    args = e2e.parse_args(["--budget-s", "100"])
+    args = parse_args(["--budget-s", "100"])
     assert e2e.warm_up("compiled", {"hf": None}, generate, args, payload, elapsed=lambda: 30.0) == []
     assert not generate.calls and "time budget (100 s)" in payload["skipped"]["compiled hf"]

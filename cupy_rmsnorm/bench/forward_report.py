@@ -1,19 +1,14 @@
-"""The report: result records, console tables, CSV / JSON / Markdown files and charts,
-and the files of a run (``write_run``).
+"""The forward report: result records, console tables, Markdown, CSV and charts.
 
 Everything here works on plain records (dicts), so it runs and is tested without a GPU,
 and ``--replot`` can redraw a saved run.
 """
 
-import csv
 import dataclasses
-import json
-import math
-import os
-import sys
 
-from .peers import COPY, DESCRIPTIONS, IMPLS, IN_PLACE, IN_PLACE_PEERS, OURS, PEERS
-from .shapes import MODE_TITLES, MODES, OP_TITLES, OPS
+from .common import fmt_num, fmt_us, format_header, geomean, markdown_table, render_table
+from .peers import COPY, DESCRIPTIONS, IMPLS, IN_PLACE, IN_PLACE_PEERS, OP_TITLES, OPS, OURS, PEERS
+from .timing import MODE_TITLES, MODES
 
 FIELDS = ("op", "dtype", "tokens", "hidden", "impl", "mode", "us", "GBps", "pct_copy", "bytes",
           "calls", "repeats", "max_abs_err")
@@ -35,12 +30,6 @@ def make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, copy_gbps, ca
 
 
 # -- numbers as text ------------------------------------------------------------------------------
-def fmt_us(v):
-    if v is None:
-        return "-"
-    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
-
-
 def fmt_gbps(v):
     if v is None:
         return "-"
@@ -62,21 +51,6 @@ def plan_text(plan):
     known = {key for key, _ in PLAN_TEXT_KEYS} | {"rows_per_block", "edges"}
     parts += [f"{k}={v}" for k, v in plan.items() if k not in known]
     return " ".join(parts)
-
-
-def geomean(values):
-    values = [v for v in values if v and v > 0 and math.isfinite(v)]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
-
-def render_table(headers, rows, left=(0,)):
-    """Columns padded to their widest cell; ``left`` columns left-aligned, others right."""
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-
-    def line(cells):
-        return "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 # -- grouping -------------------------------------------------------------------------------------
@@ -121,10 +95,6 @@ def time_ratio(by_impl, a, b):
     return None
 
 
-def fmt_ratio(v):
-    return "-" if v is None else f"{v:.2f}"
-
-
 def impls_present(by_shape):
     names = {name for d in by_shape.values() for name in d}
     return _order(sorted(names), IMPLS)
@@ -141,10 +111,10 @@ def format_tables(records):
         others = [n for n in present if n != "ours" and (n in OURS or n in PEERS)]
         extra = []   # (header, cell of a shape's {impl: record}): the copy and the in-place form
         if COPY in present:
-            extra.append(("ours/copy", lambda d: fmt_ratio(time_ratio(d, "ours", COPY))))
+            extra.append(("ours/copy", lambda d: fmt_num(time_ratio(d, "ours", COPY))))
         if "ours_ip" in present:
             extra.append(("ip us", lambda d: fmt_us(d["ours_ip"]["us"]) if "ours_ip" in d else "-"))
-            extra += [(f"ip / {n}", lambda d, n=n: fmt_ratio(time_ratio(d, "ours_ip", n)))
+            extra += [(f"ip / {n}", lambda d, n=n: fmt_num(time_ratio(d, "ours_ip", n)))
                       for n in present if n in IN_PLACE_PEERS]
         headers = (["shape", "ours us", "GB/s", "%copy"] + others + ["vs best peer"]
                    + [h for h, _ in extra] + ["plan"])
@@ -189,20 +159,11 @@ def format_tables(records):
     return "\n\n".join(blocks)
 
 
-def format_header(meta):
-    lines = []
-    if meta.get("gpu"):
-        lines.append(f"GPU: {meta['gpu']} ({meta.get('sm_count', '?')} SMs, compute capability "
-                     f"{meta.get('compute_capability', '?')}), driver {meta.get('driver_version') or '?'}, "
-                     f"CUDA driver API {meta.get('cuda_driver_api', '?')}")
-    if meta.get("copy_GBps"):
-        lines.append(f"copy bandwidth: {meta['copy_GBps']:.0f} GB/s (device-to-device memcpy of "
-                     f"{meta.get('copy_bytes', 0) >> 20} MiB, bytes read + written): the ceiling")
-    if meta.get("versions"):
-        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
-    if meta.get("git_commit"):
-        lines.append(f"git: {meta['git_commit']}{' (uncommitted changes)' if meta.get('git_dirty') else ''}")
-    return "\n".join(lines)
+def format_copy_bandwidth(meta):
+    if not meta.get("copy_GBps"):
+        return ""
+    return (f"copy bandwidth: {meta['copy_GBps']:.0f} GB/s (device-to-device memcpy of "
+            f"{meta.get('copy_bytes', 0) >> 20} MiB, bytes read + written): the ceiling")
 
 
 def format_first_call(first_call):
@@ -220,11 +181,8 @@ def format_first_call(first_call):
 
 def _markdown_table(head, shapes, ops, cells_of):
     """``cells_of(op, shape)``: the cells of one op at one shape, after the shape's."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for shape in shapes:
-        cells = [f"{shape[0]} x {shape[1]}"] + [c for op in ops for c in cells_of(op, shape)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    rows = [[f"{shape[0]} x {shape[1]}"] + [c for op in ops for c in cells_of(op, shape)] for shape in shapes]
+    return markdown_table(head, rows).splitlines()
 
 
 def _time_and_best(ours, best):
@@ -234,11 +192,11 @@ def _time_and_best(ours, best):
             f"{ours['us'] / best[1]['us']:.2f}" if ours and best else "-"]
 
 
-def format_markdown(records, mode="graph", dtype=None):
-    """Markdown tables for the README, for one mode and dtype: per shape and op, our time,
-    the best peer's and the ratio; then, where measured, the copy of the same bytes (and
-    ours over it) and the fused op in place (ours, the best in-place peer, the ratio)."""
-    recs = [r for r in records if r["mode"] == mode and (dtype is None or r["dtype"] == dtype)]
+def format_markdown(payload, mode="graph", dtype=None):
+    """Markdown tables for the README, for one mode and dtype (the first measured): per shape
+    and op, our time, the best peer's and the ratio; then, where measured, the copy of the same
+    bytes (and ours over it) and the fused op in place (ours, the best in-place peer, the ratio)."""
+    recs = [r for r in payload["results"] if r["mode"] == mode and (dtype is None or r["dtype"] == dtype)]
     if not recs:
         return ""
     dtype = dtype or recs[0]["dtype"]
@@ -267,7 +225,7 @@ def format_markdown(records, mode="graph", dtype=None):
     def floor_and_in_place(op, shape):
         d, cells = at(op, shape), []
         if has_copy[op]:
-            cells += [fmt_us(d[COPY]["us"]) if COPY in d else "-", fmt_ratio(time_ratio(d, "ours", COPY))]
+            cells += [fmt_us(d[COPY]["us"]) if COPY in d else "-", fmt_num(time_ratio(d, "ours", COPY))]
         if has_ip[op]:
             cells += _time_and_best(d.get("ours_ip"), best_peer(d, among=IN_PLACE_PEERS))
         return cells
@@ -294,79 +252,12 @@ def format_markdown(records, mode="graph", dtype=None):
 
 
 # -- files ------------------------------------------------------------------------------------------
-def plan_keys(records):
-    return list(dict.fromkeys(k for r in records for k in (r.get("plan") or {})))
-
-
-def write_csv(path, records):
-    keys = plan_keys(records)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(list(FIELDS) + [f"plan_{k}" for k in keys])
-        for r in records:
-            plan = r.get("plan") or {}
-            w.writerow(["" if r.get(k) is None else r[k] for k in FIELDS]
-                       + ["" if plan.get(k) is None else plan[k] for k in keys])
-
-
-def _json_safe(obj):
-    """NaN and infinities as strings (JSON has none); everything else as is."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def write_json(path, payload):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(_json_safe(payload), f, indent=1, default=str)
-        f.write("\n")
-
-
-def write_results(out_dir, stem, payload, columns, cells):
-    """``<stem>.json`` (the payload, as write_json writes it) and ``<stem>.csv`` in out_dir:
-    the ``columns`` line, then ``cells(result)`` for each of ``payload["results"]``."""
-    os.makedirs(out_dir, exist_ok=True)
-    write_json(os.path.join(out_dir, f"{stem}.json"), payload)
-    with open(os.path.join(out_dir, f"{stem}.csv"), "w", encoding="utf-8") as f:
-        f.write(",".join(columns) + "\n")
-        for r in payload["results"]:
-            f.write(",".join(cells(r)) + "\n")
-
-
-def print_summary(title, table_text, skipped):
-    """A benchmark's closing lines: its title, its whole table, and why peers were skipped."""
-    print(f"\n{title}")
-    print(table_text)
-    for k, v in skipped.items():
-        print(f"skipped {k}: {v}")
-
-
-def add_result(payload, row, table):
-    """A measured row: kept in payload["results"] and printed as it comes (``table`` formats rows
-    under a header line)."""
-    payload["results"].append(row)
-    print(table([row]).splitlines()[1], flush=True)
-
-
-def record_failure(payload, where, err):
-    """A peer (or check) that failed at one point of a run: kept under payload["skipped"] and
-    printed; the run goes on."""
-    payload["skipped"][where] = f"{type(err).__name__}: {err}"
-    print(f"  {where}: {payload['skipped'][where]}", flush=True)
-
-
-def us_cells(us, impls):
-    """Microseconds per implementation, three decimals; empty where one was not measured."""
-    return ["" if us.get(i) is None else f"{us[i]:.3f}" for i in impls]
-
-
-def load_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def csv_table(payload):
+    """(header, rows): one row per record, the plan flattened into plan_* columns."""
+    records = payload["results"]
+    keys = list(dict.fromkeys(k for r in records for k in (r.get("plan") or {})))
+    rows = [[r.get(k) for k in FIELDS] + [(r.get("plan") or {}).get(k) for k in keys] for r in records]
+    return list(FIELDS) + [f"plan_{k}" for k in keys], rows
 
 
 CHART_MODES = ("graph", "cold")
@@ -378,14 +269,12 @@ def chart_impls(impls):
     return [n for n in _order(sorted(impls), IMPLS) if n not in IN_PLACE]
 
 
-def write_charts(out_dir, stem, records, copy_gbps, modes=CHART_MODES):
-    """GB/s against tokens: one PNG per mode and dtype, a row of panels per op, a panel
-    per swept hidden size, a line per implementation, the copy bandwidth as the ceiling.
-    Returns the paths written ([] without matplotlib)."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return []
+def write_charts(payload, stem, modes=CHART_MODES):
+    """GB/s against tokens: one PNG per mode and dtype (``stem_MODE_DTYPE.png``), a row of
+    panels per op, a panel per swept hidden size, a line per implementation, the copy
+    bandwidth as the ceiling. Returns the paths written."""
+    from matplotlib.figure import Figure
+    records, copy_gbps = payload["results"], payload["meta"].get("copy_GBps")
     paths = []
     for mode in modes:
         for dtype in _order([r["dtype"] for r in records if r["mode"] == mode], ()):
@@ -422,7 +311,7 @@ def write_charts(out_dir, stem, records, copy_gbps, modes=CHART_MODES):
                     ax.grid(alpha=0.3)
             axes[0][0].legend(fontsize=7, loc="upper left")
             fig.suptitle(f"{dtype}, {MODE_TITLES.get(mode, mode)}", fontsize=10)
-            path = os.path.join(out_dir, f"{stem}_{mode}_{dtype}.png")
+            path = f"{stem}_{mode}_{dtype}.png"
             fig.savefig(path, dpi=110)
             paths.append(path)
     return paths
@@ -431,32 +320,10 @@ def write_charts(out_dir, stem, records, copy_gbps, modes=CHART_MODES):
 # -- a run's report ------------------------------------------------------------------------------
 def format_report(payload):
     """The printed report of a run's payload (header, first calls, tables, errors)."""
-    parts = [format_header(payload.get("meta", {})),
-             format_first_call(payload.get("first_call")),
+    meta = payload.get("meta", {})
+    parts = [format_header(meta), format_copy_bandwidth(meta), format_first_call(payload.get("first_call")),
              format_tables(payload.get("results", []))]
     errors = [e for e in payload.get("errors", []) if not e.get("skipped")]
     if errors:
         parts.append("errors:\n" + "\n".join(f"  {e['where']}: {e['error']}" for e in errors))
     return "\n\n".join(p for p in parts if p)
-
-
-def write_run(out_dir, name, payload, charts=True):
-    """CSV, JSON, Markdown and (``charts``, with matplotlib) PNG files of a run's payload,
-    as ``out_dir/name*``; the paths written."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, name)
-    records = payload["results"]
-    write_csv(stem + ".csv", records)
-    write_json(stem + ".json", payload)
-    written = [stem + ".csv", stem + ".json"]
-    md = format_markdown(records)
-    if md:
-        with open(stem + ".md", "w", encoding="utf-8") as f:
-            f.write(md)
-        written.append(stem + ".md")
-    if charts:
-        pngs = write_charts(out_dir, name, records, payload["meta"].get("copy_GBps"))
-        if not pngs and records:
-            print("note: matplotlib is not installed: no chart", file=sys.stderr)
-        written += pngs
-    return written

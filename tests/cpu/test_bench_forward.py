@@ -1,6 +1,6 @@
-"""CPU-side tests of the benchmark report (cupy_rmsnorm.bench): argument parsing, byte
-counts, tables, CSV / JSON / Markdown / chart writing, the progress bar, the no-GPU exit,
-and a whole run with the GPU parts replaced by fakes."""
+"""The forward report (``python -m cupy_rmsnorm.bench [forward]``) on the CPU: its arguments,
+byte counts, plans, tables, Markdown, CSV and charts, the progress bar, first-call latency's
+plumbing, and whole runs with the GPU parts replaced by fakes."""
 
 import csv
 import importlib.util
@@ -12,23 +12,23 @@ import subprocess
 import sys
 
 import pytest
-from helpers import child_env
 
-from cupy_rmsnorm.bench import cli, peers, progress, report, shapes, timing
+from cupy_rmsnorm.bench import cli, common, forward, forward_report, peers, progress, timing
 
 PLAN = {"variant": "block", "vec": 8, "threads_per_row": 256, "vecs_per_thread": 2,
         "rows_per_block": 1, "block": 256, "grid": 4096}
 
 
 def rec(impl, us, mode="graph", op="rms", dtype="bfloat16", tokens=4096, hidden=4096, plan=PLAN):
-    nbytes = shapes.logical_bytes(op, tokens, hidden, shapes.ITEMSIZE[dtype])
-    return report.make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, 4000.0, 100, 10,
+    nbytes = peers.logical_bytes(op, tokens, hidden, common.ITEMSIZE[dtype])
+    return forward_report.make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, 4000.0, 100, 10,
                               0.01, plan if impl == "ours" else plan)
 
 
 # -- arguments ----------------------------------------------------------------------------------
 def test_default_arguments_are_the_standard_grid():
     args = cli.parse_args([])
+    assert args.command == args.name == "forward"
     assert args.ops == ["rms", "fused"]
     assert args.dtypes == ["bfloat16", "float16"]
     assert args.modes == ["graph", "cold", "hot"]
@@ -37,8 +37,8 @@ def test_default_arguments_are_the_standard_grid():
                 | {(4096, h) for h in (512, 1024, 2048, 255, 4095)} | {(256, 5120), (256, 7168)})
     assert len(args.shapes) == len(expected) == 19
     assert set(args.shapes) == expected
-    assert args.repeats == cli.DEFAULT_REPEATS
-    assert not args.quick and not args.no_first_call and args.replot is None
+    assert args.repeats == forward.DEFAULT_REPEATS and args.out == "bench_results"
+    assert not args.quick and not args.no_first_call and args.replot is None and not args.no_chart
     assert args.compile == "tokens"
 
 
@@ -63,7 +63,7 @@ def test_peers_all_and_none():
 def test_peers_chooses_the_copy_and_the_in_place_forms():
     assert cli.parse_args(["--peers", "copy,ours_ip,liger_ip"]).peers == ["copy", "ours_ip", "liger_ip"]
     assert {"copy", "ours_ip", "liger_ip"} <= set(cli.parse_args([]).peers)    # on by default
-    help_text = cli.build_parser().format_help()
+    help_text = cli.build_parser()[1]["forward"].format_help()
     for name in ("copy", "ours_ip", "liger_ip"):
         assert name in peers.RUNNER_KIND and name in help_text and peers.DESCRIPTIONS[name]
     assert not set(peers.PEERS) & {"copy", "ours_ip", "liger_ip"}             # no "best peer"
@@ -87,10 +87,10 @@ def test_availability_of_the_copy_and_the_in_place_forms(monkeypatch):
 
 def test_quick_is_short_but_explicit_flags_win():
     quick = cli.parse_args(["--quick"])
-    assert quick.shapes == list(shapes.QUICK_SHAPES) and quick.dtypes == ["bfloat16"]
-    assert quick.repeats == cli.QUICK_REPEATS
-    assert all(quick.repeats[m] < cli.DEFAULT_REPEATS[m] for m in shapes.MODES)
-    assert len(quick.shapes) < len(shapes.DEFAULT_SHAPES)
+    assert quick.shapes == list(forward.QUICK_SHAPES) and quick.dtypes == ["bfloat16"]
+    assert quick.repeats == forward.QUICK_REPEATS and quick.call_limits == forward.QUICK_CALL_LIMITS
+    assert all(quick.repeats[m] < forward.DEFAULT_REPEATS[m] for m in timing.MODES)
+    assert len(quick.shapes) < len(forward.DEFAULT_SHAPES)
     mixed = cli.parse_args(["--quick", "--shapes", "2x64", "--dtypes", "fp16"])
     assert mixed.shapes == [(2, 64)] and mixed.dtypes == ["float16"]
 
@@ -114,28 +114,20 @@ def test_bad_arguments_are_usage_errors(argv, needle, capsys):
     assert needle in err and "Traceback" not in err
 
 
-def test_shape_spec_is_a_product():
-    assert shapes.parse_shape_spec("1,32x4096,8192") == [(1, 4096), (32, 4096), (1, 8192), (32, 8192)]
-    assert shapes.parse_shape_spec(" 7X9 ") == [(7, 9)]
-    for bad in ("x4096", "4096x", "ax4", "1,,2x4", "-1x4"):
-        with pytest.raises(ValueError):
-            shapes.parse_shape_spec(bad)
-
-
 def test_logical_bytes():
-    assert shapes.logical_bytes("rms", 4096, 4096, 2) == 2 * 4096 * 4096 * 2 + 4096 * 2
-    assert shapes.logical_bytes("fused", 3, 255, 2) == 4 * 3 * 255 * 2 + 255 * 2
-    assert shapes.logical_bytes("rms", 1, 8, 2, weight_itemsize=4) == 2 * 8 * 2 + 8 * 4
+    assert peers.logical_bytes("rms", 4096, 4096, 2) == 2 * 4096 * 4096 * 2 + 4096 * 2
+    assert peers.logical_bytes("fused", 3, 255, 2) == 4 * 3 * 255 * 2 + 255 * 2
+    assert peers.logical_bytes("rms", 1, 8, 2, weight_itemsize=4) == 2 * 8 * 2 + 8 * 4
 
 
 def test_plan_for_is_the_library_plan():
     import cupy_rmsnorm as rn
-    assert shapes.plan_for("rms", 4096, 4095, 2, 132) == rn.launch_plan(4096, 4095, 2, 8, 132)
-    assert shapes.plan_for("rms", 1, 4096, 4, 132) == rn.launch_plan(1, 4096, 4, 4, 132, edges=False)
-    assert shapes.plan_for("fused", 1, 32768, 2, 132, 8) == \
+    assert forward.plan_for("rms", 4096, 4095, 2, 132) == rn.launch_plan(4096, 4095, 2, 8, 132)
+    assert forward.plan_for("rms", 1, 4096, 4, 132) == rn.launch_plan(1, 4096, 4, 4, 132, edges=False)
+    assert forward.plan_for("fused", 1, 32768, 2, 132, 8) == \
         rn.launch_plan(1, 32768, 2, 8, 132, True, edges=False, max_cluster=8)
-    assert shapes.plan_for("fused", 4096, 4096, 2, 132) == rn.launch_plan(4096, 4096, 2, 8, 132, True, edges=False)
-    assert shapes.plan_for("fused", 4096, 4096, 2, 132) != shapes.plan_for("rms", 4096, 4096, 2, 132)
+    assert forward.plan_for("fused", 4096, 4096, 2, 132) == rn.launch_plan(4096, 4096, 2, 8, 132, True, edges=False)
+    assert forward.plan_for("fused", 4096, 4096, 2, 132) != forward.plan_for("rms", 4096, 4096, 2, 132)
 
 
 def test_calls_for_targets_the_time_within_limits():
@@ -173,7 +165,7 @@ def test_paired_host_ratio_alternates_and_takes_the_median_ratio():
 
 
 def test_make_record_derives_bandwidth():
-    r = report.make_record("fused", "float16", 2, 1000, "ours", "cold", 2.0, 16_000, 4000.0, 1, 30,
+    r = forward_report.make_record("fused", "float16", 2, 1000, "ours", "cold", 2.0, 16_000, 4000.0, 1, 30,
                            None, PLAN)
     assert r["GBps"] == pytest.approx(8.0)                              # 16 kB in 2 us
     assert r["pct_copy"] == pytest.approx(0.2)
@@ -183,28 +175,28 @@ def test_make_record_derives_bandwidth():
 def test_make_record_flattens_a_dataclass_plan():
     import cupy_rmsnorm as rn
     plan = rn.launch_plan(4096, 4096, 2, 8, 132)
-    r = report.make_record("rms", "bfloat16", 4096, 4096, "ours", "graph", 10.0, 1, 1.0, 1, 1, 0.0, plan)
+    r = forward_report.make_record("rms", "bfloat16", 4096, 4096, "ours", "graph", 10.0, 1, 1.0, 1, 1, 0.0, plan)
     assert r["plan"]["variant"] == plan.variant and r["plan"]["grid"] == plan.grid
 
 
 def test_plan_text():
-    assert report.plan_text(PLAN) == "block g256 nv2 v8 b256 grid4096"
-    assert report.plan_text(dict(PLAN, cluster=4, edges=True)) == "block g256 nv2 v8 c4 b256 grid4096 +edges"
-    assert report.plan_text(dict(PLAN, extra=3)).endswith("extra=3")
-    assert report.plan_text(None) == "-"
+    assert forward_report.plan_text(PLAN) == "block g256 nv2 v8 b256 grid4096"
+    assert forward_report.plan_text(dict(PLAN, cluster=4, edges=True)) == "block g256 nv2 v8 c4 b256 grid4096 +edges"
+    assert forward_report.plan_text(dict(PLAN, extra=3)).endswith("extra=3")
+    assert forward_report.plan_text(None) == "-"
 
 
 def test_number_formats():
-    assert report.fmt_us(1.234) == "1.23" and report.fmt_us(123.45) == "123.5"
-    assert report.fmt_us(12345.6) == "12346" and report.fmt_us(None) == "-"
-    assert report.fmt_gbps(4321.7) == "4322" and report.fmt_gbps(12.34) == "12.3"
+    assert common.fmt_us(1.234) == "1.23" and common.fmt_us(123.45) == "123.5"
+    assert common.fmt_us(12345.6) == "12346" and common.fmt_us(None) == "-"
+    assert forward_report.fmt_gbps(4321.7) == "4322" and forward_report.fmt_gbps(12.34) == "12.3"
 
 
 def test_format_tables_ratios_best_peer_and_geomean():
     records = [rec("ours", 2.0), rec("liger", 4.0), rec("cupy", 40.0), rec("ours_torch", 2.5),
                rec("ours", 10.0, tokens=1), rec("liger", 5.0, tokens=1),
                rec("ours", 3.0, mode="hot"), rec("F.rms_norm", 6.0, mode="hot")]
-    text = report.format_tables(records)
+    text = forward_report.format_tables(records)
     graph, hot = text.split("\n\n")
     assert "rms_norm, bfloat16, graph" in graph and "hot" in hot.splitlines()[0]
     header = next(line for line in graph.splitlines() if line.startswith("shape"))
@@ -213,7 +205,7 @@ def test_format_tables_ratios_best_peer_and_geomean():
     row = next(line for line in graph.splitlines() if line.startswith("4096x4096"))
     assert "0.50 liger" in row                        # best peer: liger, not ours_torch
     assert " 0.80 " in row and " 0.05 " in row        # ours/ours_torch, ours/cupy
-    gbps = shapes.logical_bytes("rms", 4096, 4096, 2) / 2.0e3
+    gbps = peers.logical_bytes("rms", 4096, 4096, 2) / 2.0e3
     assert f"{gbps:.0f}" in row
     assert "block g256 nv2 v8" in row
     one = next(line for line in graph.splitlines() if line.startswith("1x4096"))
@@ -224,7 +216,7 @@ def test_format_tables_ratios_best_peer_and_geomean():
 
 
 def test_format_tables_without_ours_shows_dashes():
-    text = report.format_tables([rec("liger", 4.0)])
+    text = forward_report.format_tables([rec("liger", 4.0)])
     row = next(line for line in text.splitlines() if line.startswith("4096x4096"))
     assert row.split()[1:4] == ["-", "-", "-"]
     assert "geomean" not in text
@@ -260,13 +252,13 @@ COPY_AND_IN_PLACE = [
 
 def test_best_peer_is_never_the_copy_or_an_in_place_form():
     d = {r["impl"]: r for r in COPY_AND_IN_PLACE if r["op"] == "fused" and r["tokens"] == 4096}
-    assert report.best_peer(d)[0] == "liger"
-    assert report.best_peer({k: d[k] for k in ("ours", "copy", "ours_ip", "liger_ip")}) is None
-    assert report.best_peer(d, among=peers.IN_PLACE_PEERS)[0] == "liger_ip"
+    assert forward_report.best_peer(d)[0] == "liger"
+    assert forward_report.best_peer({k: d[k] for k in ("ours", "copy", "ours_ip", "liger_ip")}) is None
+    assert forward_report.best_peer(d, among=peers.IN_PLACE_PEERS)[0] == "liger_ip"
 
 
 def test_format_tables_copy_and_in_place_columns():
-    text = report.format_tables(COPY_AND_IN_PLACE)
+    text = forward_report.format_tables(COPY_AND_IN_PLACE)
     rms = table_cells(text, "rms_norm, bfloat16, graph", "4096x4096")
     assert rms["ours/copy"] == f"{17 / 16:.2f}" and rms["vs best peer"] == f"{17 / 18:.2f} liger"
     assert rms["liger"] == f"{17 / 18:.2f}"
@@ -287,11 +279,11 @@ def test_format_tables_copy_and_in_place_columns():
     assert (f"ours / copy at the 2 large shapes (tokens x hidden >= 4096 x 4096): geomean "
             f"{math.sqrt(large[0] * large[1]):.3f}, max {max(large):.3f} (4096x4096)") in rms_block
     assert f"at the 1 large shapes (tokens x hidden >= 4096 x 4096): geomean {34 / 32:.3f}" in fused_block
-    assert "ours/copy" not in report.format_tables([rec("ours", 2.0), rec("liger", 4.0)])
+    assert "ours/copy" not in forward_report.format_tables([rec("ours", 2.0), rec("liger", 4.0)])
 
 
 def test_format_markdown_copy_and_in_place_table():
-    lines = report.format_markdown(COPY_AND_IN_PLACE).strip().splitlines()
+    lines = forward_report.format_markdown({"results": COPY_AND_IN_PLACE}).strip().splitlines()
     assert lines[2] == ("| tokens x hidden | rms_norm us | best peer us | ours / best | fused_add_rms_norm us "
                         "| best peer us | ours / best |")
     assert lines[4] == "| 4096 x 4096 | 17.0 | 18.0 (liger) | 0.94 | 34.0 | 35.0 (liger) | 0.97 |"
@@ -305,21 +297,21 @@ def test_format_markdown_copy_and_in_place_table():
         f"| 1 x 4096 | 0.80 | {1.2 / 0.8:.2f} | - | - | 1.40 | - | - |",
         f"| 4096 x 4095 | 17.0 | {21 / 17:.2f} | - | - | - | - | - |"]
     assert lines[-1].startswith("liger_ip: ") and "backward" in lines[-1]
-    only_copy = report.format_markdown([rec("ours", 2.0), rec("copy", 1.6)]).strip().splitlines()
+    only_copy = forward_report.format_markdown({"results": [rec("ours", 2.0), rec("copy", 1.6)]}).strip().splitlines()
     assert only_copy[-3:] == ["| tokens x hidden | rms_norm copy us | ours / copy |", "|---|---|---|",
                               "| 4096 x 4096 | 1.60 | 1.25 |"]
     assert "in place" not in only_copy[-5]
 
 
 def test_charts_draw_the_copy_and_leave_the_in_place_forms_out():
-    assert report.chart_impls({"liger_ip", "copy", "liger", "ours_ip", "ours", "cupy"}) == \
+    assert forward_report.chart_impls({"liger_ip", "copy", "liger", "ours_ip", "ours", "cupy"}) == \
         ["ours", "cupy", "liger", "copy"]
 
 
 def test_format_markdown_for_the_readme():
     records = [rec("ours", 2.0), rec("liger", 4.0), rec("ours", 5.0, op="fused"),
                rec("torch_compile", 4.0, op="fused"), rec("ours", 1.0, mode="cold")]
-    md = report.format_markdown(records)
+    md = forward_report.format_markdown({"results": records})
     lines = md.strip().splitlines()
     assert lines[2].startswith("| tokens x hidden | rms_norm us | best peer us | ours / best | "
                                "fused_add_rms_norm us")
@@ -327,14 +319,12 @@ def test_format_markdown_for_the_readme():
     assert len(lines) == 5                             # the cold record is not in the graph table
 
 
-def test_header_and_first_call_text():
-    meta = {"gpu": "NVIDIA H200", "sm_count": 132, "compute_capability": "9.0", "copy_GBps": 4259.4,
-            "copy_bytes": 1 << 30, "driver_version": "580.1", "cuda_driver_api": "13.0",
-            "versions": {"cupy": "14.2.0"}, "git_commit": "abc", "git_dirty": True}
-    head = report.format_header(meta)
-    assert "NVIDIA H200 (132 SMs" in head and "4259 GB/s" in head and "1024 MiB" in head
-    assert "cupy 14.2.0" in head and "abc (uncommitted changes)" in head
-    fc = report.format_first_call([
+def test_copy_bandwidth_and_first_call_text():
+    meta = {"copy_GBps": 4259.4, "copy_bytes": 1 << 30}
+    assert forward_report.format_copy_bandwidth(meta).startswith("copy bandwidth: 4259 GB/s (device-to-device "
+                                                                 "memcpy of 1024 MiB")
+    assert forward_report.format_copy_bandwidth({}) == ""
+    fc = forward_report.format_first_call([
         {"op": "rms", "dtype": "bfloat16", "tokens": 4096, "hidden": 4096, "empty_cache_ms": 812.4,
          "warm_cache_ms": 35.25, "second_call_ms": 0.05},
         {"op": "fused", "dtype": "bfloat16", "tokens": 4096, "hidden": 4096, "error": "boom"}])
@@ -347,11 +337,11 @@ def test_csv_has_every_field_and_the_flattened_plan(tmp_path):
     records = [rec("ours", 2.0), rec("liger", 4.0, plan=None), rec("ours", 1.5, mode="hot")]
     records[1]["plan"] = None
     path = tmp_path / "r.csv"
-    report.write_csv(path, records)
+    common.write_csv(path, *forward_report.csv_table({"results": records}))
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3
-    assert list(rows[0])[: len(report.FIELDS)] == list(report.FIELDS)
+    assert list(rows[0])[: len(forward_report.FIELDS)] == list(forward_report.FIELDS)
     assert rows[0]["plan_variant"] == "block" and rows[0]["plan_grid"] == "4096"
     assert rows[1]["plan_variant"] == ""
     assert float(rows[2]["us"]) == 1.5 and rows[2]["mode"] == "hot"
@@ -361,26 +351,26 @@ def test_csv_has_every_field_and_the_flattened_plan(tmp_path):
 def test_json_round_trip_with_non_finite_values(tmp_path):
     records = [rec("ours", 2.0)]
     records[0]["max_abs_err"] = float("nan")
-    payload = {"meta": {"gpu": "G", "copy_GBps": 4000.0}, "first_call": [], "results": records,
+    payload = {"meta": {"command": "forward", "copy_GBps": 4000.0}, "first_call": [], "results": records,
                "errors": []}
     path = tmp_path / "r.json"
-    report.write_json(path, payload)
+    common.write_json(path, payload)
     text = path.read_text()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    back = report.load_json(path)
-    assert back["meta"]["gpu"] == "G" and back["results"][0]["plan"] == PLAN
+    back = common.load_json(path)
+    assert back["meta"]["copy_GBps"] == 4000.0 and back["results"][0]["plan"] == PLAN
     assert back["results"][0]["max_abs_err"] == "nan"
     assert back["results"][0]["us"] == 2.0
 
 
 def test_charts_are_png_files(tmp_path):
     pytest.importorskip("matplotlib")
-    records = [rec(impl, us * t / 64 + 1, tokens=t, hidden=h, dtype=dt, mode=mode)
+    records = [rec(impl, us * t / 64 + 1, tokens=t, dtype=dt, mode=mode)
                for impl, us in (("ours", 1.0), ("liger", 1.3)) for t in (1, 64, 4096)
-               for h in (4096, 8192) for dt in ("bfloat16", "float16") for mode in ("graph", "cold", "hot")]
+               for dt in ("bfloat16", "float16") for mode in ("graph", "cold", "hot")]
     records.append(rec("ours", 3.0, tokens=4096, hidden=255))     # a single point: no panel
     records += [rec(impl, 1.0, tokens=t, op="fused") for impl in ("copy", "ours_ip") for t in (1, 64)]
-    paths = report.write_charts(str(tmp_path), "s", records, 4000.0)
+    paths = forward_report.write_charts({"meta": {"copy_GBps": 4000.0}, "results": records}, str(tmp_path / "s"))
     names = sorted(os.path.basename(p) for p in paths)
     assert names == ["s_cold_bfloat16.png", "s_cold_float16.png", "s_graph_bfloat16.png",
                      "s_graph_float16.png"]
@@ -389,42 +379,14 @@ def test_charts_are_png_files(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_charts_without_matplotlib_write_nothing(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)     # makes the import fail
-    assert report.write_charts(str(tmp_path), "s", [rec("ours", 1.0)], 4000.0) == []
-    assert os.listdir(tmp_path) == []
-
-
-# -- no GPU --------------------------------------------------------------------------------------
-def test_no_gpu_is_one_line_and_a_nonzero_exit(monkeypatch, capsys):
-    monkeypatch.setattr(timing, "gpu_missing", lambda: "CUDARuntimeError: no device\n(detail)")
-    assert cli.main(["--quick"]) == cli.EXIT_NO_GPU != 0
-    out = capsys.readouterr()
-    assert out.out == ""
-    assert out.err.count("\n") == 1 and "no CUDA GPU available" in out.err
-    assert "no device (detail)" in out.err
-
-
-def test_no_gpu_from_the_command_line(tmp_path):
-    env = child_env(CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "--quick"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no CUDA GPU available" in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_gpu_missing_never_raises(monkeypatch):
-    cupy = pytest.importorskip("cupy", reason="needs CuPy to stand in a broken runtime")
-    from cupy_rmsnorm import _driver
-
-    def broken():
-        raise RuntimeError("driver exploded")
-    monkeypatch.setattr(_driver, "_driver_library", lambda: object())   # as if a driver were there
-    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", broken)
-    assert "driver exploded" in timing.gpu_missing()
+def test_without_matplotlib_the_files_but_no_chart(tmp_path, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(common.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    payload = {"meta": {"command": "forward"}, "results": [rec("ours", 1.0)], "errors": []}
+    written = common.write_report(forward, payload, str(tmp_path), "s")
+    assert sorted(os.listdir(tmp_path)) == ["s.csv", "s.json", "s.md"] == sorted(os.path.basename(p) for p in written)
+    assert "matplotlib is not installed" in capsys.readouterr().err
 
 
 # -- progress bar --------------------------------------------------------------------------------
@@ -482,19 +444,36 @@ def test_format_duration():
     assert progress.format_duration(3725) == "1:02:05"
 
 
-# -- first-call helpers ----------------------------------------------------------------------------
-def test_first_call_environment_and_parsing():
+# -- first-call latency ----------------------------------------------------------------------------
+def test_first_call_environment():
     env = timing.first_call_env("/tmp/k", "/src", {"PYTHONPATH": "/other", "CUPY_CACHE_IN_MEMORY": "1",
                                                   "HOME": "/h"})
     assert env["CUPY_CACHE_DIR"] == "/tmp/k" and "CUPY_CACHE_IN_MEMORY" not in env
     assert env["PYTHONPATH"] == os.pathsep.join(["/src", "/other"]) and env["HOME"] == "/h"
-    assert timing.parse_first_call_output("noise\nFIRST_CALL_SECONDS 1.5 0.002\n") == (1.5, 0.002)
-    assert timing.parse_first_call_output("Traceback ...") is None
 
 
-def test_first_call_script_compiles():
-    from cupy_rmsnorm.bench import first_call
-    assert callable(first_call.main) and first_call.MARK == timing.FIRST_CALL_MARK
+def test_first_call_latency_runs_two_fresh_processes_on_one_cache(monkeypatch):
+    """Two children share a kernel cache (empty, then warm); each prints its two call times as
+    JSON, read back as milliseconds; a child that fails is an error naming its last line."""
+    runs = []
+
+    def fake_run(cmd, env, capture_output, text, timeout):
+        runs.append((cmd, env["CUPY_CACHE_DIR"]))
+        seconds = "[0.9, 0.002]" if len(runs) == 1 else "[0.03, 0.001]"
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"noise\n{seconds}\n", stderr="")
+    monkeypatch.setattr(timing.subprocess, "run", fake_run)
+    got = timing.first_call_latency("fused", "float16", 8, 64)
+    assert got == {"op": "fused", "dtype": "float16", "tokens": 8, "hidden": 64, "empty_cache_ms": 900.0,
+                   "warm_cache_ms": 30.0, "second_call_ms": 1.0}
+    (cmd, cache), (_, cache_again) = runs
+    assert cache == cache_again and cmd[1:3] == ["-c", timing.FIRST_CALL_CODE] and cmd[3:] == ["fused", "float16",
+                                                                                                "8", "64"]
+    compile(timing.FIRST_CALL_CODE, "<first call>", "exec")
+    assert "first_call_child" in timing.FIRST_CALL_CODE and callable(timing.first_call_child)
+    monkeypatch.setattr(timing.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, stdout="", stderr="Traceback\nImportError: no cupy"))
+    with pytest.raises(RuntimeError, match="exit 1.*ImportError: no cupy"):
+        timing.first_call_latency("rms")
 
 
 # -- a whole run, GPU parts faked ------------------------------------------------------------------
@@ -564,6 +543,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(timing, "Scratch", lambda: "scratch")
     monkeypatch.setattr(timing, "warm_up", lambda runner, fn, calls=timing.WARMUP_CALLS: fn())
     monkeypatch.setattr(timing, "make_timer", lambda mode, runner, fn, calls, scratch: FakeTimer(fn.us))
+    monkeypatch.setattr(common, "nvidia_driver_version", lambda: "580.1")
     monkeypatch.setattr(timing, "first_call_latency", lambda op, dtype, tokens, hidden: {
         "op": op, "dtype": dtype, "tokens": tokens, "hidden": hidden, "empty_cache_ms": 900.0,
         "warm_cache_ms": 40.0, "second_call_ms": 0.02})
@@ -571,7 +551,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(peers, "availability", lambda names: (
         [n for n in ("ours", "cupy", "copy") if n in names], {"liger": "liger-kernel is not installed"}))
     monkeypatch.setattr(peers, "build", fake_build)
-    monkeypatch.setattr(peers, "versions", lambda: {"cupy": "14.2.0"})
 
 
 def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
@@ -588,13 +567,15 @@ def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
     assert "liger left out: liger-kernel is not installed" in captured.err
     assert "[" in captured.err and "100%" in captured.err      # the progress bar
 
-    payload = json.loads((out_dir / "rmsnorm_bench.json").read_text())
+    payload = json.loads((out_dir / "forward.json").read_text())
     meta = payload["meta"]
-    assert meta["gpu"] == "Fake GPU" and meta["copy_GBps"] == 4000.0
+    assert meta["command"] == "forward" and meta["device"]["gpu"] == "Fake GPU" and meta["copy_GBps"] == 4000.0
+    assert meta["device"]["driver_version"] == "580.1"
     assert meta["left_out"] == {"liger": "liger-kernel is not installed"}
-    assert meta["compile_mode"] == "tokens" and meta["repeats"] == cli.QUICK_REPEATS
+    assert meta["compile_mode"] == "tokens" and meta["repeats"] == forward.QUICK_REPEATS
     assert set(meta["implementations"]) == {"ours", "cupy"}
-    assert "git_commit" in meta and "versions" in meta and meta["shapes"] == [[1, 4096], [4096, 4096], [4096, 255]]
+    assert meta["commit"] == common.git_state(common.library_root())[0]
+    assert meta["versions"]["cupy_rmsnorm"] and meta["shapes"] == [[1, 4096], [4096, 4096], [4096, 255]]
     results = payload["results"]
     # 2 ops x 3 shapes x 3 modes of ours; cupy misses 4096x255 (error) and fused 1x4096 (unsupported)
     assert sum(r["impl"] == "ours" for r in results) == 18
@@ -612,12 +593,12 @@ def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
     assert ours["us"] == pytest.approx(1 + 4096 * 4096 / 1e6)
     assert ours["pct_copy"] == pytest.approx(100 * ours["GBps"] / 4000.0)
 
-    with open(out_dir / "rmsnorm_bench.csv", newline="") as f:
+    with open(out_dir / "forward.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(results)
-    md = (out_dir / "rmsnorm_bench.md").read_text()
+    md = (out_dir / "forward.md").read_text()
     assert "| 4096 x 4096 |" in md and "(cupy)" in md
     if importlib.util.find_spec("matplotlib"):
-        assert (out_dir / "rmsnorm_bench_graph_bfloat16.png").is_file()
+        assert (out_dir / "forward_graph_bfloat16.png").is_file()
 
 
 def test_a_whole_run_with_the_copy_of_the_same_bytes(fake_gpu, tmp_path, capsys):
@@ -627,30 +608,31 @@ def test_a_whole_run_with_the_copy_of_the_same_bytes(fake_gpu, tmp_path, capsys)
     out = capsys.readouterr().out
     assert table_cells(out, "rms_norm", "4096x4096")["ours/copy"] == f"{1 / 0.8:.2f}"
     assert "rms bfloat16 4096x255 copy: RuntimeError: copy check" in out      # a failed check is an error
-    payload = json.loads((tmp_path / "rmsnorm_bench.json").read_text())
+    payload = json.loads((tmp_path / "forward.json").read_text())
     copies = [r for r in payload["results"] if r["impl"] == "copy"]
     assert [(r["hidden"], r["max_abs_err"]) for r in copies] == [(4096, None)]  # no error against the op
-    md = (tmp_path / "rmsnorm_bench.md").read_text()
-    assert f"| 4096 x 4096 | {report.fmt_us(0.8 * (1 + 4096 * 4096 / 1e6))} | {1 / 0.8:.2f} |" in md
+    md = (tmp_path / "forward.md").read_text()
+    assert f"| 4096 x 4096 | {forward_report.fmt_us(0.8 * (1 + 4096 * 4096 / 1e6))} | {1 / 0.8:.2f} |" in md
 
 
 def test_replot_redraws_a_saved_run(fake_gpu, tmp_path, capsys):
     cli.main(["--quick", "--no-first-call", "--no-chart", "--out", str(tmp_path), "--shapes", "1,64x4096"])
     first = capsys.readouterr().out
-    saved = tmp_path / "rmsnorm_bench.json"
+    saved = tmp_path / "forward.json"
     assert not list(tmp_path.glob("*.png"))
     assert cli.main(["--replot", str(saved), "--out", str(tmp_path / "re")]) == 0
     again = capsys.readouterr().out
-    assert report.format_tables(report.load_json(saved)["results"]) in again
+    assert forward_report.format_tables(common.load_json(saved)["results"]) in again
     assert first.split("\n\n", 1)[1] in again          # the same tables as the run printed
-    assert cli.main(["--replot", str(tmp_path / "missing.json")]) == 2
+    assert (tmp_path / "re" / "forward.md").read_text() == (tmp_path / "forward.md").read_text()
+    assert not (tmp_path / "re" / "forward.json").exists()     # a replot never rewrites the run
 
 
 def test_a_graph_that_does_not_write_our_output_is_an_error(fake_gpu, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(FakeCase, "graph_writes", False)
     assert cli.main(["--no-first-call", "--no-chart", "--ops", "rms", "--dtypes", "bf16", "--shapes",
                      "8x64", "--peers", "none", "--out", str(tmp_path)]) == 0
-    payload = json.loads((tmp_path / "rmsnorm_bench.json").read_text())
+    payload = json.loads((tmp_path / "forward.json").read_text())
     assert [e["where"] for e in payload["errors"]] == ["rms bfloat16 8x64 ours graph"]
     graph = next(r for r in payload["results"] if r["mode"] == "graph")
     assert graph["max_abs_err"] == "nan"
@@ -697,14 +679,3 @@ def test_timed_us_warms_up_times_in_the_mode_and_closes_the_timer(monkeypatch):
     with pytest.raises(RuntimeError, match="round failed"):
         timing.timed_us(runner, lambda: None, "graph", 5, 3)
     assert made[-1] == ("graph", 5, None) and len(closed) == 2
-
-
-def test_compare_script_leaves_out_what_is_no_peer():
-    """scripts/compare_bench.py imports nothing of the package: its list must match peers'."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare_bench.py")
-    spec = importlib.util.spec_from_file_location("compare_bench", path)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-    assert set(compare.NOT_PEERS) == set(peers.IMPLS) - set(peers.PEERS)
-    entry = {"ours": [2.0], "copy": [1.0], "ours_ip": [1.5], "liger_ip": [1.6], "liger": [3.0, 4.0, 5.0]}
-    assert compare.ours_and_peer(entry) == (2.0, 4.0, "liger")
