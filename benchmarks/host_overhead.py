@@ -149,7 +149,7 @@ def main(argv=None):
         cupy.cuda.Device().synchronize()
 
     device = common.gpu_device()
-    groups = [("cupy", cupy_cases, None)]
+    groups = [("cupy", cupy_cases, contextlib.nullcontext)]
     why = common.torch_missing()
     if why is None:
         import torch
@@ -160,20 +160,14 @@ def main(argv=None):
     results, paired = [], []
     for group, make_cases, context in groups:
         try:
-            if context is not None:
-                with context():
-                    cases = make_cases(args.rows, args.hidden)
-            else:
+            with context():
                 cases = make_cases(args.rows, args.hidden)
         except Exception as e:  # noqa: BLE001 - report and go on with the other group
             results.append({"case": f"({group} setup)", "error": f"{type(e).__name__}: {e}"})
             continue
         for name, fn in cases.items():
             try:
-                if context is not None:
-                    with context():
-                        m = host_times(fn, sync, args.calls, args.repeats, args.warmup)
-                else:
+                with context():
                     m = host_times(fn, sync, args.calls, args.repeats, args.warmup)
                 results.append({"case": name, **m})
             except Exception as e:  # noqa: BLE001
@@ -182,7 +176,7 @@ def main(argv=None):
             if mine not in cases or theirs not in cases:
                 continue
             try:
-                with context() if context is not None else contextlib.nullcontext():
+                with context():
                     m = paired_host_ratio(cases[mine], cases[theirs], sync, args.calls, args.rounds, args.warmup)
                 paired.append({"case": mine, "against": theirs, **m})
             except Exception as e:  # noqa: BLE001
@@ -218,4 +212,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,7 +39,7 @@ EPILOG = f"needs torch with CUDA; liger: {common.INSTALL_HINTS['liger']}\n\n{com
 
 def add_arguments(p):
     common.add_common_options(p, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16,fp16",
-                              modes=(MODES, "both"), repeats="7 timed rounds per measurement; --quick: 3")
+                              modes=(MODES, "both"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
     p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new shape past this many seconds")
 
@@ -57,26 +57,13 @@ HEADERS = ["dtype", "shape", "phase", "mode", *IMPLS, "ours / best", "ours / cop
 
 
 def table_rows(results):
-    out = []
-    for r in results:
-        t = r["us"]
-        peers = [t[i] for i in PEERS if t.get(i) is not None]
-        ours = t.get("ours")
-        out.append([r["dtype"], f"{r['rows']}x{r['hidden']}", r["phase"], r.get("mode", "graph"),
-                    *(common.fmt_num(t.get(i)) for i in IMPLS),
-                    common.fmt_num(ours / min(peers) if ours and peers else None, 3),
-                    common.fmt_num(ours / t["copy"] if ours and t.get("copy") else None, 3),
-                    f"{r['agree_dx']:.2e}", f"{r['agree_dw']:.2e}"])
-    return out
+    return [[r["dtype"], f"{r['rows']}x{r['hidden']}", r["phase"], r.get("mode", "graph"),
+             *common.timing_cells(r["us"], IMPLS, PEERS), f"{r['agree_dx']:.2e}", f"{r['agree_dw']:.2e}"]
+            for r in results]
 
 
 def _modes(payload):
     return [m for m in MODES if any(r.get("mode", "graph") == m for r in payload["results"])]
-
-
-def _notes(payload):
-    lines = [f"skipped {k}: {v}" for k, v in payload.get("skipped", {}).items()]
-    return lines + [f"error: {e['where']}: {e['error']}" for e in payload.get("errors", [])]
 
 
 def format_report(payload):
@@ -86,7 +73,7 @@ def format_report(payload):
         rows = table_rows([r for r in payload["results"] if r.get("mode", "graph") == mode])
         parts.append(f"== backward, {mode} mode: GPU microseconds per call (medians)\n"
                      + common.render_table(HEADERS, rows, left=(0, 2, 3)))
-    parts.append("\n".join(_notes(payload)))
+    parts.append("\n".join(common.notes(payload)))
     return "\n\n".join(p for p in parts if p)
 
 
@@ -97,8 +84,7 @@ def format_markdown(payload):
     for mode in _modes(payload):
         rows = table_rows([r for r in payload["results"] if r.get("mode", "graph") == mode])
         lines += [f"## {mode} mode (GPU microseconds per call, medians)", "", common.markdown_table(HEADERS, rows), ""]
-    notes = _notes(payload)
-    return "\n".join(lines + [f"- {n}" for n in notes]) + "\n"
+    return "\n".join(lines + [f"- {n}" for n in common.notes(payload)]) + "\n"
 
 
 def csv_table(payload):

@@ -141,7 +141,7 @@ def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=
         parser.add_argument("--modes", type=comma_list(str.lower, choices, "mode"),
                             help=f"a list of {', '.join(choices)} (default: {text})")
     if repeats is not None:
-        parser.add_argument("--repeats", type=positive_int, metavar="N", help=f"default: {repeats}")
+        parser.add_argument("--repeats", type=positive_int, metavar="N", help=repeats)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
     parser.add_argument("--name", help="file name stem of the outputs (default: the sub-command's name)")
     parser.add_argument("--quick", action="store_true", help="a short run (fewer shapes, repeats, steps)")
@@ -305,6 +305,21 @@ def render_table(headers, rows, left=(0,)):
         return "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def timing_cells(us, impls, peers):
+    """The cells of one measurement's times (microseconds per implementation, two decimals),
+    then ours over the fastest of ``peers`` and ours over the copy (three decimals)."""
+    ours, measured = us.get("ours"), [us[i] for i in peers if us.get(i) is not None]
+    return ([fmt_num(us.get(i)) for i in impls]
+            + [fmt_num(ours / min(measured) if ours and measured else None, 3),
+               fmt_num(ours / us["copy"] if ours and us.get("copy") else None, 3)])
+
+
+def notes(payload):
+    """What a run left out and what failed, a line each."""
+    return ([f"skipped {k}: {v}" for k, v in payload.get("skipped", {}).items()]
+            + [f"error: {e['where']}: {e['error']}" for e in payload.get("errors", [])])
 
 
 def markdown_table(headers, rows):

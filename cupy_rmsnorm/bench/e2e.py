@@ -85,7 +85,8 @@ EPILOG = ("variants:\n" + "\n".join(f"  {k:11s} {v}" for k, v in VARIANT_TITLES.
 
 def add_arguments(p):
     common.add_common_options(p, modes=(MODES, "both; --quick: eager"),
-                              repeats="5 interleaved rounds over the variants, per mode; --quick: 2", charts=False)
+                              repeats="interleaved rounds over the variants, per mode (default: 5; --quick: 2)",
+                              charts=False)
     positive = common.positive_int
     p.add_argument("--layers", type=positive, help="decoder layers (default: 8; --quick: 2)")
     p.add_argument("--hidden", type=positive, help="hidden size (default: 4096)")

@@ -33,7 +33,8 @@ EPILOG = ("implementations:\n" + "\n".join(f"  {name:14s} {text}" for name, text
 def add_arguments(p):
     common.add_common_options(p, shapes=f"the standard grid of {len(DEFAULT_SHAPES)} shapes",
                               dtypes="bf16,fp16; --quick: bf16", modes=(timing.MODES, "all three"),
-                              repeats="graph 10, cold 30, hot 5 rounds; --quick: 5, 10, 3")
+                              repeats="timing rounds per measurement, every mode (default: graph 10, cold 30, "
+                                      "hot 5; --quick: 5, 10, 3)")
     p.add_argument("--ops", type=common.comma_list(str, peers.OPS, "op"), default=list(peers.OPS),
                    help="ops to measure: rms, fused (default: both)")
     p.add_argument("--peers", type=_peers, default=list(peers.SELECTABLE),

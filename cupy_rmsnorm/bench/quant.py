@@ -43,7 +43,7 @@ EPILOG = (f"needs torch with CUDA; flashinfer: {common.INSTALL_HINTS['flashinfer
 
 def add_arguments(p):
     common.add_common_options(p, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16",
-                              modes=(MODES, "graph"), repeats="7 timed rounds per measurement; --quick: 3")
+                              modes=(MODES, "graph"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
     p.add_argument("--cases", type=common.comma_list(str, CASES, "case"), default=list(CASES),
                    help=f"a list of {', '.join(CASES)} (default: all)")
     p.add_argument("--flashinfer", metavar="PATH",
@@ -75,23 +75,10 @@ HEADERS = ["case", "dtype", "shape", "mode", *IMPLS, "ours / best", "ours / copy
 
 
 def table_rows(results):
-    out = []
-    for r in results:
-        t = r["us"]
-        peers = [t[i] for i in PEERS if t.get(i) is not None]
-        ours = t.get("ours")
-        out.append([r["case"], r.get("dtype", "bfloat16"), f"{r['rows']}x{r['hidden']}", r.get("mode", "graph"),
-                    *(common.fmt_num(t.get(i)) for i in IMPLS),
-                    common.fmt_num(ours / min(peers) if ours and peers else None, 3),
-                    common.fmt_num(ours / t["copy"] if ours and t.get("copy") else None, 3),
-                    f"{r['bytes'] / (ours * 1e3):.0f}" if ours else "-",
-                    "-" if r.get("agree") is None else f"{r['agree']:.5f}"])
-    return out
-
-
-def _notes(payload):
-    lines = [f"skipped {k}: {v}" for k, v in payload.get("skipped", {}).items()]
-    return lines + [f"error: {e['where']}: {e['error']}" for e in payload.get("errors", [])]
+    return [[r["case"], r.get("dtype", "bfloat16"), f"{r['rows']}x{r['hidden']}", r.get("mode", "graph"),
+             *common.timing_cells(r["us"], IMPLS, PEERS),
+             f"{r['bytes'] / (r['us']['ours'] * 1e3):.0f}" if r["us"].get("ours") else "-",
+             "-" if r.get("agree") is None else f"{r['agree']:.5f}"] for r in results]
 
 
 def _summary(results):
@@ -112,7 +99,7 @@ def format_report(payload):
     table = common.render_table(HEADERS, table_rows(payload["results"]), left=(0, 1, 3))
     parts = [common.format_header(meta), head,
              f"== quantized forms, GPU microseconds per call (medians); {BYTES_NOTE}\n{table}",
-             _summary(payload["results"]), "\n".join(_notes(payload))]
+             _summary(payload["results"]), "\n".join(common.notes(payload))]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -123,7 +110,7 @@ def format_markdown(payload):
              f"GPU microseconds per call (medians); {BYTES_NOTE}.", "",
              common.markdown_table(HEADERS, table_rows(payload["results"])), ""]
     summary = _summary(payload["results"])
-    return "\n".join(lines + ([summary, ""] if summary else []) + [f"- {n}" for n in _notes(payload)]) + "\n"
+    return "\n".join(lines + ([summary, ""] if summary else []) + [f"- {n}" for n in common.notes(payload)]) + "\n"
 
 
 def csv_table(payload):

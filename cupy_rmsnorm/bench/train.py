@@ -84,8 +84,7 @@ def format_report(payload):
     parts = [common.format_header(payload["meta"]), "\n".join(summary(payload))]
     if table_rows(payload):
         parts.append(common.render_table(HEADERS, table_rows(payload)))
-    parts += [f"skipped {k}: {v}" for k, v in payload.get("skipped", {}).items()]
-    parts += [f"error: {e['where']}: {e['error']}" for e in payload.get("errors", [])]
+    parts += common.notes(payload)
     return "\n\n".join(p for p in parts if p)
 
 
@@ -156,7 +155,7 @@ def train(torch, model, batches, lr):
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, times
 
 

@@ -2,6 +2,7 @@
 the chart of a run (training needs a GPU)."""
 
 import csv
+import importlib.util
 import os
 
 import pytest
@@ -54,3 +55,17 @@ def test_an_interrupted_run_has_one_curve_and_no_table():
     half["results"] = half["results"][:1]
     assert train.csv_table(half)[1] == [] and train.table_rows(half) == []
     assert "max |loss difference|" not in train.format_report(half)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="needs torch and transformers (not installed)")
+def test_a_tiny_run_on_the_cpu(tmp_path, capsys):
+    """The whole path of a run, the hf variant alone (ours needs CUDA): model, steps, report."""
+    assert cli.main(["train", "--device", "cpu", "--steps", "3", "--layers", "1", "--hidden", "64", "--batch", "1",
+                     "--seq", "16", "--no-chart", "--out", str(tmp_path)]) == 0
+    saved = common.load_json(tmp_path / "train.json")
+    (hf,) = saved["results"]
+    assert hf["variant"] == "hf" and len(hf["losses"]) == len(hf["step_s"]) == 3 and hf["median_step_ms"] > 0
+    assert saved["skipped"] == {"ours": "needs CUDA (--device cpu)"} and saved["meta"]["config"]["hidden"] == 64
+    assert saved["meta"]["command"] == "train" and "commit" in saved["meta"]
+    assert "skipped ours: needs CUDA" in capsys.readouterr().out
