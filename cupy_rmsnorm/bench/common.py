@@ -125,10 +125,10 @@ def comma_list(parse=str, choices=None, what="value"):
 
 
 def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=None, charts=True):
-    """The options every sub-command spells the same way. ``shapes`` / ``dtypes`` / ``modes``
-    / ``repeats``: the help text of the defaults, or None where the option does not apply;
-    ``modes``: (the choices, that help text). Options left out stay None, for
-    ``resolve_defaults``."""
+    """The options every sub-command spells the same way. ``shapes`` / ``dtypes``: the help
+    text of their defaults; ``modes``: (the choices, the help text of the default);
+    ``repeats``: its help text; None where the option does not apply. Options left out on
+    the command line stay None, for ``resolve_defaults``."""
     if shapes is not None:
         parser.add_argument("--shapes", type=argparse_type(parse_shapes), nargs="+", metavar="TxH",
                             help="shapes as TOKENSxHIDDEN, either side a comma list for every combination "
