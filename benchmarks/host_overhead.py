@@ -13,18 +13,18 @@ torch.inference_mode(), as decode does. Then the comparisons with torch in pairs
 (PAIRS): ours and torch's way of doing the same in alternating blocks of CALLS calls,
 ROUNDS rounds (``paired_host_ratio``): the median per-round ratio is the figure to
 quote, since one process's times drift by tens of percent. "launch floor" cases call the cached
-cupy.cuda.Function directly with the arguments the library built (what is left when
-all of the library's Python is gone).
+kernel directly with the arguments the library built (what is left when all of the
+library's Python is gone).
 
     python benchmarks/host_overhead.py --out host_overhead.json
+
+Run from a checkout, it measures that checkout's library (its folder goes first on the path).
 """
 
 import argparse
 import contextlib
 import functools
-import json
 import os
-import platform
 import sys
 
 import numpy as np
@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy_rmsnorm as rn  # noqa: E402
+from cupy_rmsnorm.bench import common  # noqa: E402
 from cupy_rmsnorm.bench.timing import host_times, paired_host_ratio  # noqa: E402
 
 # (ours, torch's way of doing the same): compared in alternating blocks
@@ -42,9 +43,10 @@ PAIRS = (("cupy_rmsnorm rms_norm, torch", "torch F.rms_norm"),
          ("cupy_rmsnorm fused in place, torch", "torch r.add_(x), then F.rms_norm"))
 
 
-def _capture_launch(call):
-    """Run ``call`` once with ``_driver.launch`` spied on; return its arguments (device,
-    kernel pointer, grid, block, stream, argument-array pointer, launch config)."""
+def launch_floor(call):
+    """The library's driver launch of ``call``'s kernel, with the arguments ``call`` built: one
+    call run with the launch function spied on. The launch function is a private name of the
+    library (``cupy_rmsnorm._driver.launch``); where it is gone the floor is left out."""
     from cupy_rmsnorm import _driver
     raw = _driver.launch
     seen = []
@@ -60,13 +62,12 @@ def _capture_launch(call):
         _driver.launch = raw
     if not seen:
         raise RuntimeError("no launch seen")
-    return seen[-1]
+    return functools.partial(raw, *seen[-1])
 
 
 def cupy_cases(rows, hidden):
     import cupy
     import ml_dtypes
-    from cupy_rmsnorm import _driver
 
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
@@ -82,8 +83,7 @@ def cupy_cases(rows, hidden):
             rn.fused_add_rms_norm, x, r, w, out=out, residual_out=res_out),
     }
     try:
-        launch_args = _capture_launch(cases["cupy_rmsnorm rms_norm, CuPy, out="])
-        cases["launch floor: cached kernel, CuPy"] = functools.partial(_driver.launch, *launch_args)
+        cases["launch floor: cached kernel, CuPy"] = launch_floor(cases["cupy_rmsnorm rms_norm, CuPy, out="])
     except Exception as e:  # noqa: BLE001 - the floor is informative, not essential
         print(f"(no CuPy launch floor: {type(e).__name__}: {e})")
     return cases
@@ -92,7 +92,6 @@ def cupy_cases(rows, hidden):
 def torch_cases(rows, hidden):
     import torch
     import torch.nn.functional as F
-    from cupy_rmsnorm import _driver
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
@@ -123,8 +122,7 @@ def torch_cases(rows, hidden):
         "torch r.add_(x), then F.rms_norm": torch_add_inplace_norm,
     }
     try:
-        launch_args = _capture_launch(cases["cupy_rmsnorm rms_norm, torch, out="])
-        cases["launch floor: cached kernel, torch stream"] = functools.partial(_driver.launch, *launch_args)
+        cases["launch floor: cached kernel, torch stream"] = launch_floor(cases["cupy_rmsnorm rms_norm, torch, out="])
     except Exception as e:  # noqa: BLE001
         print(f"(no torch launch floor: {type(e).__name__}: {e})")
     return cases
@@ -141,46 +139,35 @@ def main(argv=None):
     p.add_argument("--out", help="write the results as JSON to this path")
     args = p.parse_args(argv)
 
-    try:
-        import cupy
-        device_name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
-        device_name = device_name.decode() if isinstance(device_name, bytes) else device_name
-    except Exception as e:  # noqa: BLE001
-        sys.exit(f"host_overhead: needs a CUDA GPU through CuPy ({type(e).__name__}: {e})")
+    from cupy_rmsnorm.bench import timing
+    reason = timing.gpu_missing()
+    if reason:
+        sys.exit(f"host_overhead: needs a CUDA GPU ({reason})")
+    import cupy
 
     def sync():
         cupy.cuda.Device().synchronize()
 
-    env = {"device": device_name, "python": platform.python_version(), "cupy": cupy.__version__,
-           "numpy": np.__version__, "cupy_rmsnorm": rn.__version__}
-    groups = [("cupy", cupy_cases, None)]
-    try:
+    device = common.gpu_device()
+    groups = [("cupy", cupy_cases, contextlib.nullcontext)]
+    why = common.torch_missing()
+    if why is None:
         import torch
-        env["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            groups.append(("torch", torch_cases, torch.inference_mode))
-        else:
-            print("(torch sees no CUDA device: torch cases skipped)")
-    except ImportError:
-        print("(torch is not installed: torch cases skipped)")
+        groups.append(("torch", torch_cases, torch.inference_mode))
+    else:
+        print(f"(torch cases skipped: {why})")
 
     results, paired = [], []
     for group, make_cases, context in groups:
         try:
-            if context is not None:
-                with context():
-                    cases = make_cases(args.rows, args.hidden)
-            else:
+            with context():
                 cases = make_cases(args.rows, args.hidden)
         except Exception as e:  # noqa: BLE001 - report and go on with the other group
             results.append({"case": f"({group} setup)", "error": f"{type(e).__name__}: {e}"})
             continue
         for name, fn in cases.items():
             try:
-                if context is not None:
-                    with context():
-                        m = host_times(fn, sync, args.calls, args.repeats, args.warmup)
-                else:
+                with context():
                     m = host_times(fn, sync, args.calls, args.repeats, args.warmup)
                 results.append({"case": name, **m})
             except Exception as e:  # noqa: BLE001
@@ -189,7 +176,7 @@ def main(argv=None):
             if mine not in cases or theirs not in cases:
                 continue
             try:
-                with context() if context is not None else contextlib.nullcontext():
+                with context():
                     m = paired_host_ratio(cases[mine], cases[theirs], sync, args.calls, args.rounds, args.warmup)
                 paired.append({"case": mine, "against": theirs, **m})
             except Exception as e:  # noqa: BLE001
@@ -197,7 +184,7 @@ def main(argv=None):
 
     baseline = next((r["host_us"] for r in results if r["case"] == "torch F.rms_norm" and "host_us" in r), None)
     print(f"\nhost overhead per call, {args.rows} x {args.hidden} bfloat16, {args.calls} back-to-back calls, "
-          f"median of {args.repeats}; {device_name}")
+          f"median of {args.repeats}; {device['gpu']}")
     print(f"{'case':<48} {'host us':>9} {'total us':>9} {'host / F.rms_norm':>18}")
     for r in results:
         if "error" in r:
@@ -218,13 +205,11 @@ def main(argv=None):
                   f"{r['ratio_median']:>12.3f} {r['ratio_min']:>5.3f}-{r['ratio_max']:.3f}")
 
     if args.out:
-        doc = {"benchmark": "host_overhead", "shape": [args.rows, args.hidden], "dtype": "bfloat16",
-               "calls": args.calls, "repeats": args.repeats, "warmup": args.warmup,
-               "rounds": args.rounds, "environment": env, "results": results, "paired": paired}
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
+        meta = common.run_metadata("host_overhead", device, shape=[args.rows, args.hidden], dtype="bfloat16",
+                                   calls=args.calls, repeats=args.repeats, warmup=args.warmup, rounds=args.rounds)
+        common.write_json(args.out, {"meta": meta, "results": results, "paired": paired})
         print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,7 +21,6 @@ SHAPES = [(1, 4096), (32, 4096), (256, 4096), (1024, 4096), (4096, 4096), (16384
           (1, 8192), (4096, 8192), (4096, 512), (4096, 255), (4096, 4095)]
 DTYPES = ("bfloat16", "float16")
 ROUNDS = {"graph": 10, "cold": 30, "hot": 5}
-CALL_LIMITS = {"graph": (20, 200), "hot": (10, 100)}     # as the report's defaults
 
 
 @pytest.mark.parametrize("mode", list(ROUNDS))
@@ -29,7 +28,7 @@ CALL_LIMITS = {"graph": (20, 200), "hot": (10, 100)}     # as the report's defau
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("op", ("rms", "fused"))
 def test_rmsnorm(benchmark, gpu, op, shape, dtype, mode):
-    from cupy_rmsnorm.bench import peers, report, shapes, timing
+    from cupy_rmsnorm.bench import common, forward, forward_report, peers, timing
     tokens, hidden = shape
     case = peers.Case(op, dtype, tokens, hidden)
     fn = peers.build("ours", case)
@@ -38,8 +37,9 @@ def test_rmsnorm(benchmark, gpu, op, shape, dtype, mode):
     tol = 2 * ULP_REL[dtype] * float(abs(case.reference()).max())
     assert err <= tol, f"max abs error {err} > {tol}"
 
-    nbytes = shapes.logical_bytes(op, tokens, hidden, shapes.ITEMSIZE[dtype])
-    calls = timing.calls_for(nbytes, gpu.copy_gbps, *CALL_LIMITS[mode]) if mode in CALL_LIMITS else 1
+    nbytes = peers.logical_bytes(op, tokens, hidden, common.ITEMSIZE[dtype])
+    limits = forward.CALL_LIMITS           # as the forward report's
+    calls = timing.calls_for(nbytes, gpu.copy_gbps, *limits[mode]) if mode in limits else 1
     timer = timing.make_timer(mode, gpu.runner, fn, calls, gpu.scratch)
     try:
         benchmark.group = f"{op} {dtype} {mode}"
@@ -47,12 +47,12 @@ def test_rmsnorm(benchmark, gpu, op, shape, dtype, mode):
     finally:
         timer.close()
     us = statistics.median(timer.samples[-ROUNDS[mode]:])   # the timed rounds, not the warm-up
-    plan = shapes.plan_for(op, tokens, hidden, shapes.ITEMSIZE[dtype], gpu.sm_count, gpu.max_cluster)
-    rec = report.make_record(op, dtype, tokens, hidden, "ours", mode, us, nbytes, gpu.copy_gbps,
+    plan = forward.plan_for(op, tokens, hidden, common.ITEMSIZE[dtype], gpu.sm_count, gpu.max_cluster)
+    rec = forward_report.make_record(op, dtype, tokens, hidden, "ours", mode, us, nbytes, gpu.copy_gbps,
                              calls, ROUNDS[mode], err, plan)
     benchmark.extra_info.update({
         "op": op, "shape": [tokens, hidden], "dtype": dtype, "mode": mode,
         "calls_per_round": calls, "us_per_call": us, "bytes": nbytes, "GBps": rec["GBps"],
         "pct_copy_bandwidth": rec["pct_copy"], "copy_GBps": gpu.copy_gbps,
-        "max_abs_err": err, "plan": rec["plan"], "plan_text": report.plan_text(rec["plan"])})
+        "max_abs_err": err, "plan": rec["plan"], "plan_text": forward_report.plan_text(rec["plan"])})
     case.release()

@@ -1,16 +1,10 @@
-"""Benchmarks of cupy_rmsnorm against its peers: ``python -m cupy_rmsnorm.bench``.
+"""Benchmarks of cupy_rmsnorm against its peers: ``python -m cupy_rmsnorm.bench [SUBCOMMAND]``.
 
-Modules: ``cli`` (the command line), ``run`` (the steps of a measured run), ``sweep``
-(first-call latency and the sweep over cases, implementations and modes), ``shapes``
-(what is measured), ``timing`` (CUDA events, graphs, the three modes, copy bandwidth,
-first-call latency, the timing loops the scripts share), ``first_call`` (the program a
-fresh process runs for it), ``peers`` (the implementations compared), ``arrays``
-(bfloat16 through its bits, the NaN poison, torch views), ``metadata`` (what a run
-records about itself), ``report`` (tables, CSV / JSON / Markdown, charts) and
-``progress`` (the progress bar). Nothing here imports CuPy or torch until a GPU run
-starts.
+Modules: ``cli`` (the command line), ``common`` (what every sub-command shares: options,
+shapes, exit codes, the no-GPU path, run metadata, files), one module per sub-command
+(``forward`` with ``forward_report`` and ``peers``, ``backward``, ``quant`` with
+``flashinfer``, ``e2e``, ``train``), ``timing`` (CUDA events, graphs, the modes, copy
+bandwidth, first-call latency, host cost), ``arrays`` (bfloat16 through its bits, the NaN
+poison, torch views) and ``progress`` (the progress bar). Nothing here imports CuPy or
+torch until a GPU run starts.
 """
-
-from .cli import main
-
-__all__ = ["main"]

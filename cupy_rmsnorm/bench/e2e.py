@@ -1,4 +1,4 @@
-"""``python -m cupy_rmsnorm.bench e2e``: a whole Llama-shaped model, HF's norms against ours and Liger's.
+"""``e2e``: a whole Llama-shaped model, HF's norms against ours and Liger's.
 
 A randomly initialized transformers ``LlamaForCausalLM`` (nothing downloaded) generates
 greedily, in two modes:
@@ -37,16 +37,15 @@ smoke the harness.
 
 import argparse
 import copy
-import csv
 import functools
-import importlib.util
 import itertools
-import os
 import statistics
 import sys
 import time
 
-from . import report, shapes, timing
+from . import common
+
+SUMMARY = "a whole Llama-shaped model generating, with HF's, our and Liger's norms"
 
 VARIANTS = ("hf", "ours", "ours_fused", "liger")
 VARIANT_TITLES = {
@@ -68,7 +67,9 @@ NORM_WEIGHT_STD = 0.1        # norm weights 1 + N(0, 0.1): at all-ones, llama an
 EXPLAIN_TOKENS = 16          # the graph-break count needs a forward, not a long one
 COMPILE_ESTIMATE_S = 75.0    # one variant's compile, for the time budget (8-layer Llama on an H200)
 RECOMPILE_LIMIT = 64         # variants share code objects: one Dynamo cache entry each
-STEM_SUFFIX = "_e2e"
+DEFAULTS = {"layers": 8, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "vocab": 32000,
+            "new_tokens": 64, "repeats": 5, "modes": list(MODES), "agree_tokens": 1024}
+QUICK = {"layers": 2, "new_tokens": 16, "repeats": 2, "modes": ["eager"], "agree_tokens": 256}
 
 
 class Skipped(Exception):
@@ -76,55 +77,34 @@ class Skipped(Exception):
 
 
 # -- arguments ------------------------------------------------------------------------------------
-def _choices(allowed, what):
-    """An argparse type: a comma-separated list of ``allowed`` names, in the given order."""
-    def convert(text):
-        items = shapes.unique(t.strip().lower() for t in text.split(",") if t.strip())
-        if not items:
-            raise argparse.ArgumentTypeError(f"empty {what} list")
-        for item in items:
-            if item not in allowed:
-                raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; choose from {', '.join(allowed)}")
-        return items
-    return convert
+EPILOG = ("variants:\n" + "\n".join(f"  {k:11s} {v}" for k, v in VARIANT_TITLES.items())
+          + "\n\nmodes:\n" + "\n".join(f"  {k:11s} {v}" for k, v in MODE_TITLES.items())
+          + f"\n\nneeds torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: "
+          + f"{common.INSTALL_HINTS['liger']}\n\n{common.PEERS_HELP}")
 
 
-def _dtype(text):
-    try:
-        return shapes.parse_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def build_parser():
-    p = argparse.ArgumentParser(
-        prog="cupy-rmsnorm-bench e2e",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Whole-model benchmark: a randomly initialized Llama-shaped transformers model "
-                    "generating greedily, with HF's, our and Liger's RMSNorm.",
-        epilog="variants:\n" + "\n".join(f"  {k:11s} {v}" for k, v in VARIANT_TITLES.items())
-               + "\n\nmodes:\n" + "\n".join(f"  {k:11s} {v}" for k, v in MODE_TITLES.items()))
-    p.add_argument("--layers", type=shapes.positive_int, default=8, help="decoder layers (default: 8)")
-    p.add_argument("--hidden", type=shapes.positive_int, default=4096, help="hidden size (default: 4096)")
-    p.add_argument("--intermediate", type=shapes.positive_int, default=14336,
-                   help="MLP intermediate size (default: 14336)")
-    p.add_argument("--heads", type=shapes.positive_int, default=32, help="attention heads (default: 32)")
-    p.add_argument("--kv-heads", type=shapes.positive_int, default=8, help="key/value heads (default: 8)")
-    p.add_argument("--vocab", type=shapes.positive_int, default=32000, help="vocabulary size (default: 32000)")
-    p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16, fp16 or fp32 (default: bf16)")
-    p.add_argument("--batch", type=shapes.positive_int, default=1, help="prompts per generate call (default: 1)")
-    p.add_argument("--prompt", type=shapes.positive_int, default=128, help="prompt tokens (default: 128)")
-    p.add_argument("--new-tokens", type=shapes.positive_int, default=64,
-                   help="tokens generated per timed call, at least 2 (default: 64)")
-    p.add_argument("--repeats", type=shapes.positive_int, default=5,
-                   help="interleaved rounds over the variants, per mode (default: 5)")
-    p.add_argument("--variants", type=_choices(VARIANTS, "variant"), default=list(VARIANTS),
+def add_arguments(p):
+    common.add_common_options(p, modes=(MODES, "both; --quick: eager"),
+                              repeats="interleaved rounds over the variants, per mode (default: 5; --quick: 2)",
+                              charts=False)
+    positive = common.positive_int
+    p.add_argument("--layers", type=positive, help="decoder layers (default: 8; --quick: 2)")
+    p.add_argument("--hidden", type=positive, help="hidden size (default: 4096)")
+    p.add_argument("--intermediate", type=positive, help="MLP intermediate size (default: 14336)")
+    p.add_argument("--heads", type=positive, help="attention heads (default: 32)")
+    p.add_argument("--kv-heads", type=positive, help="key/value heads (default: 8)")
+    p.add_argument("--vocab", type=positive, help="vocabulary size (default: 32000)")
+    p.add_argument("--dtype", type=common.argparse_type(common.parse_dtype), default="bfloat16",
+                   help="the model's dtype: bf16, fp16 or fp32 (default: bf16)")
+    p.add_argument("--batch", type=positive, default=1, help="prompts per generate call (default: 1)")
+    p.add_argument("--prompt", type=positive, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--new-tokens", type=positive,
+                   help="tokens generated per timed call, at least 2 (default: 64; --quick: 16)")
+    p.add_argument("--variants", type=common.comma_list(str.lower, VARIANTS, "variant"), default=list(VARIANTS),
                    help=f"a list of {', '.join(VARIANTS)} (default: all; hf always runs, as the reference)")
-    p.add_argument("--modes", type=_choices(MODES, "mode"), default=list(MODES),
-                   help="eager, compiled (default: both)")
-    p.add_argument("--agree-tokens", type=shapes.positive_int, default=1024,
-                   help="tokens of the teacher-forced forward that checks the logits (default: 1024)")
-    p.add_argument("--agree-batch", type=shapes.positive_int, default=4,
+    p.add_argument("--agree-tokens", type=positive,
+                   help="tokens of the teacher-forced forward that checks the logits (default: 1024; --quick: 256)")
+    p.add_argument("--agree-batch", type=positive, default=4,
                    help="sequences of --agree-tokens each in that forward (default: 4)")
     p.add_argument("--no-fullgraph", action="store_true",
                    help="compile with graph breaks allowed (default: fullgraph=True, a break is an error)")
@@ -132,17 +112,12 @@ def build_parser():
                    help="start no compile and no round that would end past S seconds from the start "
                         "(what is left out is reported; default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
-    p.add_argument("--out", default="bench_results", help="output folder (default: ./bench_results)")
-    p.add_argument("--name", default="rmsnorm_bench",
-                   help="file name stem: writes NAME_e2e.json, .csv, .md (default: rmsnorm_bench)")
     # "cpu": the hf variant alone, to smoke the harness without a GPU
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
-    return p
 
 
-def parse_args(argv=None):
-    p = build_parser()
-    args = p.parse_args(argv)
+def finish_args(args, p):
+    common.resolve_defaults(args, DEFAULTS, QUICK)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (decode time is T(N) - T(1) over N - 1 tokens)")
     if args.hidden % args.heads:
@@ -151,7 +126,11 @@ def parse_args(argv=None):
         p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if BASELINE not in args.variants:       # every comparison is against it
         args.variants = [BASELINE] + args.variants
-    return args
+
+
+def requirements_missing(args):
+    why = common.torch_missing() if args.device == "cuda" else None
+    return why or common.module_missing("transformers", "transformers", "transformers")
 
 
 def model_config(args):
@@ -268,7 +247,7 @@ TABLE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms
 def table_rows(payload):
     """The cells of the table, one row per summary row (mode, variant)."""
     out = []
-    for r in payload["summary"]:
+    for r in payload["results"]:
         v = r["variant"]
         compiled = r["mode"] == "compiled"
         breaks = _breaks_cell(payload.get("graph_breaks", {}).get(v),
@@ -287,7 +266,7 @@ def describe(meta):
     return (f"Llama {c['num_hidden_layers']} layers x {c['hidden_size']} (intermediate {c['intermediate_size']}, "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocab {c['vocab_size']}), "
             f"{meta['dtype']}, batch {meta['batch']}, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, "
-            f"{meta['repeats']} interleaved rounds, on {meta.get('gpu', '?')}")
+            f"{meta['repeats']} interleaved rounds, on {(meta.get('device') or {}).get('gpu', '?')}")
 
 
 def floor_line(payload):
@@ -304,8 +283,8 @@ def floor_line(payload):
 
 def format_report(payload):
     """The console report: what ran, what was left out, then the table (the last lines)."""
-    meta, rows = payload["meta"], payload["summary"]
-    lines = [f"e2e: {describe(meta)}",
+    meta, rows = payload["meta"], payload["results"]
+    lines = [f"e2e: {describe(meta)}", common.format_header(meta),
              ("prefill: generate(max_new_tokens=1); decode: (T(N) - T(1)) / (N - 1) of one round; "
               "median and min-max over rounds; agreement: teacher-forced logits vs hf, and top-1 vs the "
               "model in float32")]
@@ -320,7 +299,7 @@ def format_report(payload):
         lines.append(floor)
     if rows:
         cells = table_rows(payload)
-        lines += ["", report.render_table(TABLE_HEADERS, cells, left=(0, 1))]
+        lines += ["", common.render_table(TABLE_HEADERS, cells, left=(0, 1))]
         if any(c[-1].endswith("*") for c in cells):
             lines.append(BREAKS_FOOTNOTE)
     else:
@@ -330,11 +309,11 @@ def format_report(payload):
 
 def format_markdown(payload):
     """A Markdown table for the README."""
-    meta, rows = payload["meta"], payload["summary"]
+    meta, rows = payload["meta"], payload["results"]
     if not rows:
         return ""
     lines = [(f"End to end: {describe(meta)}. Milliseconds, median over rounds (min-max); "
-              f"vs hf below 1: faster than with HF's norms."), "",
+              f"vs hf below 1: faster than with HF's norms."), "", common.format_header(meta).replace("\n", "  \n"), "",
              "| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
     cells = table_rows(payload)
     lines += ["| " + " | ".join(c) + " |" for c in cells]
@@ -356,9 +335,9 @@ CSV_FIELDS = ("mode", "variant", "prefill_ms", "prefill_ms_min", "prefill_ms_max
               "graph_breaks", "timed_fullgraph")
 
 
-def csv_rows(payload):
+def csv_table(payload):
     out = []
-    for r in payload["summary"]:
+    for r in payload["results"]:
         p, d = r["prefill_ms"] or {}, r["decode_ms"] or {}
         a = payload.get("agreement", {}).get(r["variant"]) or {}
         b = payload.get("graph_breaks", {}).get(r["variant"]) or {}
@@ -374,25 +353,7 @@ def csv_rows(payload):
                     "top1_vs_fp32": a.get("top1_vs_fp32"), "max_abs_vs_fp32": a.get("max_abs_vs_fp32"),
                     "graph_breaks": b.get("graph_break_count") if r["mode"] == "compiled" else None,
                     "timed_fullgraph": compiled.get("fullgraph") if r["mode"] == "compiled" else None})
-    return out
-
-
-def write_outputs(args, payload):
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, args.name + STEM_SUFFIX)
-    report.write_json(stem + ".json", payload)
-    with open(stem + ".csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for row in csv_rows(payload):
-            w.writerow({k: "" if v is None else v for k, v in row.items()})
-    written = [stem + ".json", stem + ".csv"]
-    md = format_markdown(payload)
-    if md:
-        with open(stem + ".md", "w", encoding="utf-8") as f:
-            f.write(md)
-        written.append(stem + ".md")
-    return written
+    return list(CSV_FIELDS), [[row[k] for k in CSV_FIELDS] for row in out]
 
 
 # -- the measuring loop (torch-free: it gets the timing function) --------------------------------------
@@ -429,7 +390,7 @@ def measure_rounds(mode, variants, repeats, new_tokens, time_generate, log, cloc
 
 
 def _err_text(e):
-    return " ".join(f"{type(e).__name__}: {e}".split())[:400]
+    return common.error_text(e, limit=400)
 
 
 # -- the model and its variants (torch from here on) ------------------------------------------------------
@@ -672,100 +633,42 @@ class TimedGenerate:
         return seconds
 
 
-def versions():
-    import platform
-    from importlib import metadata
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "cupy-cuda13x", "cupy-cuda12x", "cupy", "liger-kernel", "triton",
-                 "numpy", "cupy-rmsnorm"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        out["torch_cuda"] = torch.version.cuda
-    return out
-
-
-# -- the run ---------------------------------------------------------------------------------------------
-def cannot_run(device):
-    """None when the run can start, else the one line to print: no GPU (as the report
-    says it), or no torch / transformers."""
-    from .cli import no_gpu_message
-    if device == "cuda":
-        reason = timing.gpu_missing()
-        if reason:
-            return no_gpu_message(reason)
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        return f"cupy-rmsnorm-bench e2e: needs PyTorch and transformers; torch is not importable ({_err_text(e)})"
-    if device == "cuda" and not torch.cuda.is_available():
-        return no_gpu_message("PyTorch sees no CUDA device")
-    if importlib.util.find_spec("transformers") is None:
-        return "cupy-rmsnorm-bench e2e: needs PyTorch and transformers; transformers is not installed"
-    return None
-
-
-def main(argv=None):
-    from .cli import EXIT_NO_GPU
-    args = parse_args(argv)
-    message = cannot_run(args.device)
-    if message:
-        print(message, file=sys.stderr)
-        return EXIT_NO_GPU
-    return run(args)
-
-
 def log(msg):
-    print(msg, file=sys.stderr, flush=True)
+    common.log(msg)
 
 
 def run(args):
-    import torch
+    import torch  # noqa: F401 - loaded before the metadata, which then records torch's CUDA version
     started = time.perf_counter()
     deadline = None if args.budget_s is None else started + args.budget_s
 
     def elapsed():
         return time.perf_counter() - started
 
-    from .metadata import git_info, nvidia_driver_version
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    commit, dirty = git_info(root)
-    cuda = args.device == "cuda"
-    meta = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "device": args.device,
-            "driver_version": nvidia_driver_version() if cuda else None, "versions": versions(),
-            "git_commit": commit, "git_dirty": dirty,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[1:], "config": model_config(args),
-            "dtype": args.dtype, "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "agree_tokens": args.agree_tokens,
-            "agree_batch": args.agree_batch, "modes": args.modes,
-            "variants": {v: VARIANT_TITLES[v] for v in args.variants},
-            "mode_titles": {m: MODE_TITLES[m] for m in args.modes}, "fullgraph": not args.no_fullgraph,
-            "norm_weights": f"1 + N(0, {NORM_WEIGHT_STD})", "budget_s": args.budget_s}
+    device = common.gpu_device() if args.device == "cuda" else {"gpu": "cpu"}
+    meta = common.run_metadata(
+        "e2e", device, torch_device=args.device, config=model_config(args), dtype=args.dtype, batch=args.batch,
+        prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats, agree_tokens=args.agree_tokens,
+        agree_batch=args.agree_batch, modes=args.modes, variants={v: VARIANT_TITLES[v] for v in args.variants},
+        mode_titles={m: MODE_TITLES[m] for m in args.modes}, fullgraph=not args.no_fullgraph,
+        norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s)
     payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}, "graph_breaks": {},
-               "compile": {}, "timed_counters": {}, "timings": [], "summary": []}
+               "compile": {}, "timed_counters": {}, "timings": [], "results": []}
     interrupted = False
     try:
         measure_all(args, payload, elapsed, deadline)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: saving what was measured")
-    written = finish(args, payload, elapsed)
-    for path in written:
-        log(f"wrote {path}")
-    print(format_report(payload))
-    if interrupted:
-        return 130
-    return 0 if payload["summary"] else 1
+    summarize_into(args, payload, elapsed)
+    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
 
 
 def measure_all(args, payload, elapsed, deadline):
     """Model, variants, agreement, graph breaks, then each mode's warm-up and rounds,
     all into ``payload`` (written to disk after each mode)."""
     meta = payload["meta"]
-    log(f"e2e on {meta['gpu']}: building the model ...")
+    log(f"e2e on {meta['device']['gpu']}: building the model ...")
     base = build_model(args)
     meta["parameters"] = sum(p.numel() for p in base.parameters())
     meta["build_s"] = elapsed()
@@ -849,7 +752,8 @@ def measure_all(args, payload, elapsed, deadline):
         payload["notes"] += notes
         for note in notes:
             log(f"note: {note}")
-        finish(args, payload, elapsed, write_only=True)     # a later crash keeps this mode's results
+        summarize_into(args, payload, elapsed)
+        common.save_partial(args, payload)     # a later crash keeps this mode's results
 
 
 def warm_up(mode, models, generate, args, payload, elapsed):
@@ -913,8 +817,6 @@ def _warm_up_one(mode, name, generate, args, payload, elapsed):
     return True
 
 
-def finish(args, payload, elapsed, write_only=False):
-    payload["summary"] = summarize(payload["timings"], args.new_tokens, args.batch)
+def summarize_into(args, payload, elapsed):
+    payload["results"] = summarize(payload["timings"], args.new_tokens, args.batch)
     payload["meta"]["seconds"] = elapsed()
-    written = write_outputs(args, payload)
-    return [] if write_only else written

@@ -1,25 +1,27 @@
-"""The implementations a sweep compares: ours and the peers.
+"""The implementations the forward report compares: ours and the peers, on the inputs of
+one ``Case`` (op, dtype, tokens, hidden).
 
-Each one becomes a zero-argument callable over the inputs of one ``Case`` (x, residual,
-weight of one op, dtype and shape), run by the CuPy or the torch runner of ``timing``.
-The torch tensors are zero-copy views of the CuPy inputs, so every implementation reads
-the very same memory, but for the in-place ones (they overwrite their inputs, so they get
-copies of their own) and the copy of the same bytes (its own buffers). torch, Triton and
-Liger-Kernel are optional: what is missing is reported and left out.
+Each implementation becomes a zero-argument callable, run by the CuPy or the torch runner
+of ``timing``. The torch tensors are zero-copy views of the CuPy inputs, so every
+implementation reads the very same memory, but for the in-place ones (they overwrite their
+inputs, so they get copies of their own) and the copy of the same bytes (its own buffers).
+torch, Triton and Liger-Kernel are optional: what is missing is reported, with how to
+install it, and left out.
 """
 
 import functools
-import importlib
 import importlib.util
 
 import numpy as np
 
+from . import common
 # bfloat16 goes through its bits, so the inputs and the reference lean on no CuPy
 # bfloat16 arithmetic; only the "cupy" peer does.
 from .arrays import from_float32, poison, to_cupy, to_float32, to_torch
-from .shapes import logical_bytes
 
 EPS = 1e-6
+OPS = ("rms", "fused")
+OP_TITLES = {"rms": "rms_norm", "fused": "fused_add_rms_norm"}
 
 IMPLS = ("ours", "ours_torch", "cupy", "torch_eager", "F.rms_norm", "torch_compile", "liger",
          "ours_ip", "liger_ip", "copy")
@@ -62,31 +64,26 @@ class Unsupported(Exception):
     """This implementation does not offer this op (not an error of the run)."""
 
 
+def logical_bytes(op, tokens, hidden, itemsize, weight_itemsize=None):
+    """Bytes one call must move at least: rms reads x and writes y; fused reads x and
+    residual and writes residual_out and y; both read the weight once."""
+    per_array = tokens * hidden * itemsize
+    arrays = 2 if op == "rms" else 4
+    return arrays * per_array + hidden * (weight_itemsize or itemsize)
+
+
 # -- what is installed -----------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def torch_missing():
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        return f"PyTorch is not importable ({type(e).__name__}: {e})"
-    if not torch.cuda.is_available():
-        return "PyTorch sees no CUDA device"
-    return None
+torch_missing = functools.lru_cache(maxsize=None)(common.torch_missing)
 
 
 @functools.lru_cache(maxsize=None)
 def liger_missing():
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed"
-    try:
-        import liger_kernel.ops.rms_norm  # noqa: F401 - the import is the check
-    except Exception as e:  # noqa: BLE001
-        return f"liger_kernel.ops.rms_norm does not import ({type(e).__name__}: {e})"
-    return None
+    return common.module_missing("liger_kernel.ops.rms_norm", "liger-kernel", "liger")
 
 
 def availability(names):
-    """(the names that can run, in IMPLS order; {name: why not} for the others)."""
+    """(the names that can run, in IMPLS order; {name: why not, with how to install it} for
+    the others)."""
     available, missing = [], {}
     for name in IMPLS:
         if name not in names:
@@ -95,7 +92,7 @@ def availability(names):
         if RUNNER_KIND[name] == "torch":
             reason = torch_missing()
         if reason is None and name in NEEDS_TRITON and importlib.util.find_spec("triton") is None:
-            reason = "Triton is not installed"
+            reason = f"Triton is not installed ({common.INSTALL_HINTS['triton']})"
         if reason is None and name in NEEDS_LIGER:
             reason = liger_missing()
         if reason:
@@ -103,28 +100,6 @@ def availability(names):
         else:
             available.append(name)
     return available, missing
-
-
-def versions():
-    """Versions of what took part, for the JSON report."""
-    import platform
-    from importlib import metadata
-    out = {"python": platform.python_version()}
-    for module in ("numpy", "ml_dtypes", "cupy", "cupy_rmsnorm"):
-        try:
-            out[module] = importlib.import_module(module).__version__
-        except Exception:  # noqa: BLE001 - a missing package is simply not listed
-            pass
-    if torch_missing() is None:
-        import torch
-        out["torch"] = torch.__version__
-        out["torch_cuda"] = torch.version.cuda
-    for dist in ("triton", "liger-kernel"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 # -- the inputs of one measurement -------------------------------------------------------------

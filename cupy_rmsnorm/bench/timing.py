@@ -1,6 +1,6 @@
 """Timing primitives: streams, CUDA graphs, the three modes, copy bandwidth, first-call
-latency, and the timing loops the scripts share (``timed_us``, ``graph_us``, ``host_times``,
-``paired_host_ratio``).
+latency, and the timing loops the sub-commands and benchmarks/host_overhead.py share
+(``timed_us``, ``host_times``, ``paired_host_ratio``).
 
 Every GPU time here comes from CUDA events recorded on the stream the work runs on (a
 wall clock around an asynchronous launch measures nothing); ``host_times`` is the one
@@ -16,6 +16,7 @@ Events are CuPy events in both cases (recorded on a CuPy view of torch's stream)
 the three timers below serve both runners.
 """
 
+import json
 import os
 import statistics
 import subprocess
@@ -23,9 +24,13 @@ import sys
 import tempfile
 import time
 
+# The library's device record and GPU check (private names: see gpu_missing, device_info).
 from .. import _driver
-from .first_call import MARK as FIRST_CALL_MARK
 
+MODES = ("graph", "cold", "hot")
+MODE_TITLES = {"graph": "graph: GPU time per call (calls captured in one CUDA graph, replayed)",
+               "cold": "cold: one call after a 512 MiB write flushed L2 (events around the call)",
+               "hot": "hot: back-to-back calls from Python (host overhead shows here)"}
 GRAPH_TARGET_US = 5000.0   # aim for ~5 ms per replay: long against launch jitter, short overall
 COPY_BYTES = 1 << 30       # per buffer of the bandwidth copy: far past L2, so it measures HBM
 SCRATCH_BYTES = 512 << 20  # written before each cold call: several times the L2 (H200: 60 MB)
@@ -301,18 +306,6 @@ def timed_us(runner, fn, mode, calls, repeats, scratch=None):
         timer.close()
 
 
-def graph_us(fn, calls, repeats, runner=None):
-    """GPU microseconds per call of ``fn`` (CuPy arrays): ``calls`` calls captured in one
-    CUDA graph after a warm-up call, the median of ``repeats`` replays."""
-    runner = runner or CupyRunner()
-    warm_up(runner, fn, calls=1)
-    timer = GraphTimer(runner, fn, calls)
-    try:
-        return measure(timer, repeats)
-    finally:
-        timer.close()
-
-
 def _timed_block(fn, sync, calls, clock):
     """``calls`` back-to-back calls of ``fn``: (microseconds per call to issue them, and to
     the end of the ``sync()`` after them)."""
@@ -407,7 +400,36 @@ def copy_bandwidth_gbps(nbytes=COPY_BYTES, repeats=10):
 
 
 # -- first call in a fresh process ------------------------------------------------------------
-FIRST_CALL_MODULE = "cupy_rmsnorm.bench.first_call"
+def first_call_child(op, dtype, tokens, hidden):
+    """Run in the fresh process: the first two calls of ``op``, each timed up to a device
+    synchronize (the first: kernel source, NVRTC compile or disk-cache load, module load,
+    launch). Inputs are uploaded from the host, so no CuPy kernel compiles before the clock
+    starts. Prints the two times in seconds as a JSON list."""
+    import cupy
+    import numpy as np
+
+    import cupy_rmsnorm as rn
+    from cupy_rmsnorm.bench.arrays import BFLOAT16
+    tokens, hidden = int(tokens), int(hidden)
+    dt = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(0)
+
+    def upload(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dt))
+    x, r, w = upload(tokens, hidden), upload(tokens, hidden), upload(hidden)
+    call = (lambda: rn.rms_norm(x, w)) if op == "rms" else (lambda: rn.fused_add_rms_norm(x, r, w))
+    times = []
+    for _ in range(2):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        call()
+        cupy.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps(times))
+
+
+FIRST_CALL_CODE = ("import sys; from cupy_rmsnorm.bench.timing import first_call_child; "
+                   "first_call_child(*sys.argv[1:])")
 
 
 def first_call_env(cache_dir, package_root, base_env=None):
@@ -420,26 +442,19 @@ def first_call_env(cache_dir, package_root, base_env=None):
     return env
 
 
-def parse_first_call_output(stdout):
-    """(first, second) seconds from first_call's output, or None."""
-    for line in stdout.splitlines():
-        if line.startswith(FIRST_CALL_MARK):
-            parts = line.split()
-            return float(parts[1]), float(parts[2])
-    return None
-
-
 def _first_call_once(cache_dir, op, dtype, tokens, hidden, timeout):
     import cupy_rmsnorm
     root = os.path.dirname(os.path.dirname(os.path.abspath(cupy_rmsnorm.__file__)))
-    proc = subprocess.run([sys.executable, "-m", FIRST_CALL_MODULE, op, dtype, str(tokens), str(hidden)],
-                          env=first_call_env(cache_dir, root), capture_output=True, text=True,
-                          timeout=timeout)
-    parsed = parse_first_call_output(proc.stdout)
-    if proc.returncode != 0 or parsed is None:
+    proc = subprocess.run([sys.executable, "-c", FIRST_CALL_CODE, op, dtype, str(tokens), str(hidden)],
+                          env=first_call_env(cache_dir, root), capture_output=True, text=True, timeout=timeout)
+    try:
+        first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        first = None
+    if proc.returncode != 0 or first is None:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"first-call subprocess failed (exit {proc.returncode}): {tail}")
-    return parsed
+    return first, second
 
 
 def first_call_latency(op, dtype="bfloat16", tokens=4096, hidden=4096, timeout=600):
@@ -451,4 +466,3 @@ def first_call_latency(op, dtype="bfloat16", tokens=4096, hidden=4096, timeout=6
     return {"op": op, "dtype": dtype, "tokens": tokens, "hidden": hidden,
             "empty_cache_ms": cold[0] * 1e3, "warm_cache_ms": warm[0] * 1e3,
             "second_call_ms": warm[1] * 1e3}
-

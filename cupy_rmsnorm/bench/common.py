@@ -1,0 +1,445 @@
+"""What every sub-command shares: the common options and the shape syntax, exit codes, the
+no-GPU message, the checks for optional peers (with how to install them), what a report
+records about its run, and the writing of a report's files.
+
+Nothing here imports CuPy or torch at module level, so the command line and the reports
+work (and are tested) on a machine without a GPU.
+"""
+
+import argparse
+import csv
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+PROG = "cupy-rmsnorm-bench"
+EXIT_OK = 0
+EXIT_ERROR = 1            # nothing measured, a report that cannot be read, a missing requirement
+EXIT_USAGE = 2            # argparse's own exit status for a bad command line
+EXIT_NO_GPU = 3           # no CUDA GPU: nothing can be measured here
+EXIT_INTERRUPTED = 130    # Ctrl-C during a run (what was measured is still written)
+DEFAULT_OUT = "bench_results"
+COMMITTED_RESULTS = "benchmarks/results"   # the committed reports, in the repository
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16",
+                 "fp16": "float16", "float16": "float16", "half": "float16",
+                 "fp32": "float32", "float32": "float32", "float": "float32"}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# How to add each optional peer to the environment; the no-peer notes and --help say it.
+INSTALL_HINTS = {
+    "torch": "pip install torch (a CUDA build)",
+    "triton": "Triton comes with the CUDA builds of torch on Linux (pip install triton)",
+    "liger": "pip install liger-kernel",
+    "transformers": "pip install transformers",
+    "flashinfer": "pip install flashinfer-python (its headers) and nvcc on PATH, or --flashinfer",
+}
+PEERS_HELP = ("peers: each is used where it is installed, the rest are left out with a note. On top of a\n"
+              "CUDA build of torch, `pip install liger-kernel` adds Liger-Kernel (torch.compile needs the\n"
+              "Triton that Linux torch wheels bring); the e2e and train sub-commands need `pip install\n"
+              "transformers`; the quant sub-command's FlashInfer peer needs `pip install flashinfer-python`\n"
+              "(only its headers are used) and nvcc on PATH.")
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def unique(items):
+    """Items in first-seen order, duplicates dropped."""
+    return list(dict.fromkeys(items))
+
+
+def parse_dtype(name):
+    """``bf16`` / ``bfloat16`` / ``fp16`` / ... -> the canonical dtype name."""
+    key = name.strip().lower()
+    if key not in DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {name!r}; use one of bf16, fp16, fp32")
+    return DTYPE_ALIASES[key]
+
+
+def _positive_ints(text, what, spec):
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"bad shape {spec!r}: {what} must be positive integers, got {part!r}")
+        values.append(int(part))
+    return values
+
+
+def parse_shapes(spec):
+    """``"TOKENSxHIDDEN"`` -> [(tokens, hidden)]; either side may be a comma list, giving
+    every combination: ``"1,32x4096,8192"`` is four shapes."""
+    text = spec.strip().lower()
+    if text.count("x") != 1:
+        raise ValueError(f"bad shape {spec!r}: expected TOKENSxHIDDEN, e.g. 4096x4096 or 1,32x8192")
+    tokens_text, hidden_text = text.split("x")
+    tokens = _positive_ints(tokens_text, "tokens", spec)
+    hiddens = _positive_ints(hidden_text, "hidden sizes", spec)
+    return [(t, h) for h in hiddens for t in tokens]
+
+
+def argparse_type(parse):
+    """``parse`` as an argparse type: its ValueError becomes a usage error."""
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
+def positive_int(text):
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def comma_list(parse=str, choices=None, what="value"):
+    """An argparse type: a comma-separated list, each item through ``parse`` (and among
+    ``choices``), duplicates dropped."""
+    def convert(text):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty {what} list")
+        out = []
+        for item in items:
+            try:
+                value = parse(item)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+            if choices is not None and value not in choices:
+                raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; choose from {', '.join(choices)}")
+            out.append(value)
+        return unique(out)
+    return convert
+
+
+def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=None, charts=True):
+    """The options every sub-command spells the same way. ``shapes`` / ``dtypes``: the help
+    text of their defaults; ``modes``: (the choices, the help text of the default);
+    ``repeats``: its help text; None where the option does not apply. Options left out on
+    the command line stay None, for ``resolve_defaults``."""
+    if shapes is not None:
+        parser.add_argument("--shapes", type=argparse_type(parse_shapes), nargs="+", metavar="TxH",
+                            help="shapes as TOKENSxHIDDEN, either side a comma list for every combination "
+                                 f"(e.g. 1,32x4096,8192); default: {shapes}")
+    if dtypes is not None:
+        parser.add_argument("--dtypes", type=comma_list(parse_dtype, what="dtype"),
+                            help=f"a list of bf16, fp16, fp32 (default: {dtypes})")
+    if modes is not None:
+        choices, text = modes
+        parser.add_argument("--modes", type=comma_list(str.lower, choices, "mode"),
+                            help=f"a list of {', '.join(choices)} (default: {text})")
+    if repeats is not None:
+        parser.add_argument("--repeats", type=positive_int, metavar="N", help=repeats)
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--name", help="file name stem of the outputs (default: the sub-command's name)")
+    parser.add_argument("--quick", action="store_true", help="a short run (fewer shapes, repeats, steps)")
+    if charts:
+        parser.add_argument("--no-chart", action="store_true", help="write no PNG charts")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="measure nothing: print the report of a saved run (its .json) and write its "
+                             "Markdown, CSV and charts to --out")
+
+
+def resolve_defaults(args, defaults, quick=None):
+    """Options the user left out (None): from ``quick`` with --quick, else from ``defaults``."""
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, (quick or {}).get(key, value) if args.quick else value)
+    if getattr(args, "shapes", None) and isinstance(args.shapes[0], list):   # one list per --shapes spec
+        args.shapes = unique(s for spec in args.shapes for s in spec)
+    if args.name is None:
+        args.name = args.command
+    if not hasattr(args, "no_chart"):
+        args.no_chart = True
+    return args
+
+
+def committed_report(command):
+    """The committed report of ``command``: its path from here where this checkout has it, else
+    its place in the repository."""
+    path = os.path.join(library_root(), COMMITTED_RESULTS, f"{command}.json")
+    if not os.path.isfile(path):
+        return f"{COMMITTED_RESULTS}/{command}.json"
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def no_gpu_message(command, reason):
+    """The one line every sub-command prints without a GPU: what is missing, and how to see
+    the committed report instead."""
+    reason = " ".join(str(reason).split())    # one line, whatever the driver said
+    return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). The committed report: "
+            f"python -m cupy_rmsnorm.bench {command} --replot {committed_report(command)}")
+
+
+# -- optional peers ------------------------------------------------------------------------------
+def torch_missing():
+    """None when torch sees a CUDA device, else why not (with how to get it)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - any import failure: no torch here
+        return f"PyTorch is not importable ({type(e).__name__}: {e}); {INSTALL_HINTS['torch']}"
+    if not torch.cuda.is_available():
+        return f"PyTorch sees no CUDA device (torch {torch.__version__}); {INSTALL_HINTS['torch']}"
+    return None
+
+
+def module_missing(module, what, hint):
+    """None when ``module`` imports, else why not, with ``INSTALL_HINTS[hint]``."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return f"{what} is not installed ({INSTALL_HINTS[hint]})"
+    try:
+        __import__(module)
+    except Exception as e:  # noqa: BLE001 - installed but broken (e.g. no Triton): left out
+        return f"{module} does not import ({type(e).__name__}: {e})"
+    return None
+
+
+# -- what a report records about its run -----------------------------------------------------------
+def library_root():
+    """The folder holding the cupy_rmsnorm package that is measured."""
+    import cupy_rmsnorm
+    return os.path.dirname(os.path.dirname(os.path.abspath(cupy_rmsnorm.__file__)))
+
+
+def git_state(path):
+    """(commit, dirty) of the git checkout whose top folder is ``path``, or (None, None)
+    (an installed package, or a folder inside some other repository)."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=path, capture_output=True, text=True, timeout=10)
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(path):
+            return None, None
+        commit = git("rev-parse", "HEAD").stdout.strip() or None
+        status = git("status", "--porcelain", "--untracked-files=no")
+        return commit, bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+VERSIONED = ("numpy", "ml_dtypes", "cupy-cuda12x", "cupy-cuda13x", "torch", "triton", "liger-kernel",
+             "transformers", "flashinfer-python", "matplotlib")
+
+
+def versions():
+    """Versions of this Python, the library and what took part (installed distributions)."""
+    import cupy_rmsnorm
+    out = {"python": platform.python_version(), "cupy_rmsnorm": cupy_rmsnorm.__version__}
+    for dist in VERSIONED:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    torch = sys.modules.get("torch")       # CUDA version of torch's build, where torch is loaded
+    if torch is not None and getattr(torch, "version", None) is not None:
+        out["torch_cuda"] = torch.version.cuda
+    return out
+
+
+def nvidia_driver_version():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_metadata(command, device, **extra):
+    """The ``meta`` of every report: the commit of the library tree measured (None when it is
+    not a git checkout) and whether it had uncommitted changes, the date, the command line,
+    the device (``timing.device_info()`` and the driver), the versions; then ``extra``."""
+    commit, dirty = git_state(library_root())
+    return {"command": command, "commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "argv": sys.argv[1:], "device": device, "versions": versions(), **extra}
+
+
+def gpu_device():
+    """``timing.device_info()`` with the driver version: the ``device`` of a GPU run's meta."""
+    from . import timing
+    return dict(timing.device_info(), driver_version=nvidia_driver_version())
+
+
+# -- text -------------------------------------------------------------------------------------------
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+def error_text(e, limit=300):
+    return " ".join(f"{type(e).__name__}: {e}".split())[:limit]
+
+
+def fmt_us(v):
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def fmt_num(v, digits=2):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def geomean(values):
+    values = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def render_table(headers, rows, left=(0,)):
+    """Columns padded to their widest cell; ``left`` columns left-aligned, others right."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def timing_cells(us, impls, peers):
+    """The cells of one measurement's times (microseconds per implementation, two decimals),
+    then ours over the fastest of ``peers`` and ours over the copy (three decimals)."""
+    ours, measured = us.get("ours"), [us[i] for i in peers if us.get(i) is not None]
+    return ([fmt_num(us.get(i)) for i in impls]
+            + [fmt_num(ours / min(measured) if ours and measured else None, 3),
+               fmt_num(ours / us["copy"] if ours and us.get("copy") else None, 3)])
+
+
+def notes(payload):
+    """What a run left out and what failed, a line each."""
+    return ([f"skipped {k}: {v}" for k, v in payload.get("skipped", {}).items()]
+            + [f"error: {e['where']}: {e['error']}" for e in payload.get("errors", [])])
+
+
+def markdown_table(headers, rows):
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def format_header(meta):
+    """The lines every report starts with: device, commit, versions."""
+    device = meta.get("device") or {}
+    lines = []
+    if device.get("gpu"):
+        line = f"GPU: {device['gpu']}"
+        if device.get("sm_count"):
+            line += (f" ({device['sm_count']} SMs, compute capability {device.get('compute_capability', '?')})"
+                     f", driver {device.get('driver_version') or '?'}, CUDA driver API "
+                     f"{device.get('cuda_driver_api', '?')}")
+        lines.append(line)
+    commit = meta.get("commit")
+    if commit:
+        lines.append(f"commit: {commit}{' (uncommitted changes)' if meta.get('dirty') else ''}")
+    elif "commit" in meta:
+        lines.append("commit: not recorded" + (f" ({meta['note']})" if meta.get("note") else ""))
+    if meta.get("versions"):
+        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    return "\n".join(lines)
+
+
+# -- files --------------------------------------------------------------------------------------------
+def _json_safe(obj):
+    """NaN and infinities as strings (JSON has none); everything else as is."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path, payload):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_json_safe(payload), f, indent=1, default=str)
+        f.write("\n")
+
+
+def load_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_csv(path, header, rows):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(["" if v is None else v for v in row] for row in rows)
+
+
+def write_report(module, payload, out, name, charts=True, with_json=True):
+    """A report's files in ``out``: NAME.json (the payload; not on a replot), NAME.csv,
+    NAME.md and, with matplotlib, the charts (``module``'s ``csv_table``,
+    ``format_markdown``, ``write_charts``). Returns the paths written."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, name)
+    written = []
+    if with_json:
+        write_json(stem + ".json", payload)
+        written.append(stem + ".json")
+    header, rows = module.csv_table(payload)
+    write_csv(stem + ".csv", header, rows)
+    written.append(stem + ".csv")
+    md = module.format_markdown(payload)
+    if md:
+        with open(stem + ".md", "w", encoding="utf-8") as f:
+            f.write(md)
+        written.append(stem + ".md")
+    if charts and hasattr(module, "write_charts") and payload.get("results"):
+        if importlib.util.find_spec("matplotlib") is None:
+            log("note: matplotlib is not installed: no chart (pip install matplotlib)")
+        else:
+            written += module.write_charts(payload, stem)
+    return written
+
+
+def save_partial(args, payload):
+    """NAME.json as measured so far, so that a crash later in a run keeps what came before."""
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, args.name + ".json"), payload)
+
+
+def finish_run(module, args, payload, interrupted=False):
+    """The end of every run: the files written, the report printed; the exit status."""
+    written = write_report(module, payload, args.out, args.name, charts=not args.no_chart)
+    print(module.format_report(payload))
+    for path in written:
+        log(f"wrote {path}")
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if payload.get("results") else EXIT_ERROR
+
+
+def bar_chart(path, title, groups, labels, series):
+    """Bars of time over the copy floor's (1 = the speed of a device copy of the same bytes):
+    one panel per ``groups`` entry (its title, then one value list per ``series`` name, a
+    value per label); ``labels``: the bars' x labels, per panel. Returns [path]."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(11, 3.6 * len(groups)), layout="constrained")
+    axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
+    for ax, (panel, values), panel_labels in zip(axes, groups, labels):
+        width = 0.8 / len(series)
+        for k, name in enumerate(series):
+            xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(panel_labels))]
+            ax.bar(xs, [v or 0 for v in values[name]], width, label=name)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="copy of the same bytes")
+        ax.set_xticks(range(len(panel_labels)))
+        ax.set_xticklabels(panel_labels, fontsize=7)
+        ax.set_ylabel("time / copy time")
+        ax.set_title(panel, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=len(series) + 1)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    return [path]

@@ -1,0 +1,296 @@
+"""``quant``: GPU time of rms_norm_quant / fused_add_rms_norm_quant (FP8 e4m3 out) against the
+peers, on the same torch tensors (weight of x's dtype, eps 1e-6); medians over rounds.
+
+Cases: ``static`` (a per-tensor scale in device memory), ``per_token`` (a scale per row) and
+``per_group`` (a scale per 1x128 group), each as rms_norm and as the fused add (``fused ...``;
+ours and FlashInfer's update the residual in place, as vLLM's serving path does).
+
+- ours: ``rn.rms_norm_quant(x, w, ...)`` / ``rn.fused_add_rms_norm_quant(x, r, w, ..., residual_out=r)``;
+- flashinfer: FlashInfer's ``RMSNormQuant``, ``FusedAddRMSNormQuant`` and
+  ``FusedAddRMSNormFP8BlockQuant`` (the fused per-group form; it also writes a bf16 copy of the
+  normalized rows, 2 more bytes an element), built by nvcc from FlashInfer's headers
+  (``flashinfer.py``; bf16 only);
+- torch.compile: the composite (the fp32 RMSNorm formula, then the quantization of the
+  contract) under ``torch.compile(fullgraph=True, dynamic=False)``: specialized per shape;
+- copy: a device copy moving the same bytes (the floor): read x (and residual), write q (one
+  byte an element), residual_out and the scales.
+``agree`` is the fraction of q's bytes equal to the eager composite's (near ties and the
+float32 order of the sum of squares account for the rest).
+"""
+
+import ctypes
+import sys
+import time
+
+from . import common
+
+SUMMARY = "the quantized forms (FP8) against FlashInfer, torch.compile and a copy"
+CASES = ("static", "per_token", "per_group", "fused static", "fused per_token", "fused per_group")
+IMPLS = ("ours", "flashinfer", "torch.compile", "copy")
+PEERS = ("flashinfer", "torch.compile")
+MODES = ("graph", "cold")
+EPS = 1e-6
+GROUP = 128
+FP8_MAX = 448.0                      # float8_e4m3fn's largest finite value
+MIN_SCALE = 1.0 / (FP8_MAX * 512)    # the contract's floor of a dynamic scale (an all-zero row gives zeros)
+SHAPES = ((4096, 4096), (1, 4096), (16384, 8192), (256, 4096), (4096, 7168), (16384, 4096), (32, 7168),
+          (4096, 8192))
+DEFAULTS = {"shapes": list(SHAPES), "dtypes": ["bfloat16"], "modes": ["graph"], "repeats": 7}
+QUICK = {"shapes": [(1, 4096), (4096, 4096)], "repeats": 3}
+BYTES_NOTE = "bytes: ours (FlashInfer's fused per-group form also writes a bf16 copy: +2 bytes an element)"
+EPILOG = (f"needs torch with CUDA; flashinfer: {common.INSTALL_HINTS['flashinfer']}\n\n{common.PEERS_HELP}")
+
+
+def add_arguments(p):
+    common.add_common_options(p, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16",
+                              modes=(MODES, "graph"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
+    p.add_argument("--cases", type=common.comma_list(str, CASES, "case"), default=list(CASES),
+                   help=f"a list of {', '.join(CASES)} (default: all)")
+    p.add_argument("--flashinfer", metavar="PATH",
+                   help="FlashInfer's kernels: a built library (.so), a folder of extracted headers "
+                        "(python -m cupy_rmsnorm.bench.flashinfer WHEEL), a flashinfer_python wheel, or "
+                        "'none' (default: the installed flashinfer-python's headers, built with nvcc)")
+    p.add_argument("--target-us", type=float, default=1500.0, help="GPU time per graph replay to aim for")
+    p.add_argument("--budget-s", type=float, default=240.0, help="start no new shape past this many seconds")
+
+
+def finish_args(args, parser):
+    common.resolve_defaults(args, DEFAULTS, QUICK)
+
+
+def requirements_missing(args):
+    return common.torch_missing()
+
+
+def moved_bytes(case, rows, hidden, itemsize=2):
+    """Bytes the op must move: read x (and residual), write q, residual_out and the scales."""
+    n = rows * hidden
+    fused = case.startswith("fused")
+    scales = {"static": 0, "per_token": rows, "per_group": rows * (hidden // GROUP)}[case.split()[-1]]
+    return n * itemsize * (2 if fused else 1) + n + (n * itemsize if fused else 0) + 4 * scales
+
+
+# -- the report ----------------------------------------------------------------------------------
+HEADERS = ["case", "dtype", "shape", "mode", *IMPLS, "ours / best", "ours / copy", "ours GB/s", "agree"]
+
+
+def table_rows(results):
+    return [[r["case"], r.get("dtype", "bfloat16"), f"{r['rows']}x{r['hidden']}", r.get("mode", "graph"),
+             *common.timing_cells(r["us"], IMPLS, PEERS),
+             f"{r['bytes'] / (r['us']['ours'] * 1e3):.0f}" if r["us"].get("ours") else "-",
+             "-" if r.get("agree") is None else f"{r['agree']:.5f}"] for r in results]
+
+
+def _summary(results):
+    """Geometric mean of ours / the best peer, and where ours is slower."""
+    ratios = [(r["us"]["ours"] / min(r["us"][i] for i in PEERS if r["us"].get(i)), r) for r in results
+              if r["us"].get("ours") and any(r["us"].get(i) for i in PEERS)]
+    if not ratios:
+        return ""
+    slower = [f"{r['case']} {r['rows']}x{r['hidden']} ({x:.2f})" for x, r in ratios if x > 1]
+    return (f"geomean ours / best peer: {common.geomean([x for x, _ in ratios]):.3f} over {len(ratios)} cases; "
+            f"slower than the best peer: {', '.join(slower) or 'none'}")
+
+
+def format_report(payload):
+    meta = payload["meta"]
+    head = (f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s"
+            + (f"; FlashInfer: {meta['flashinfer']}" if meta.get("flashinfer") else ""))
+    table = common.render_table(HEADERS, table_rows(payload["results"]), left=(0, 1, 3))
+    parts = [common.format_header(meta), head,
+             f"== quantized forms, GPU microseconds per call (medians); {BYTES_NOTE}\n{table}",
+             _summary(payload["results"]), "\n".join(common.notes(payload))]
+    return "\n\n".join(p for p in parts if p)
+
+
+def format_markdown(payload):
+    meta = payload["meta"]
+    lines = [f"# Quantized forms (FP8 e4m3): {(meta.get('device') or {}).get('gpu', '?')}, copy bandwidth "
+             f"{meta.get('copy_GBps', 0):.0f} GB/s", "", common.format_header(meta).replace("\n", "  \n"), "",
+             f"GPU microseconds per call (medians); {BYTES_NOTE}.", "",
+             common.markdown_table(HEADERS, table_rows(payload["results"])), ""]
+    summary = _summary(payload["results"])
+    return "\n".join(lines + ([summary, ""] if summary else []) + [f"- {n}" for n in common.notes(payload)]) + "\n"
+
+
+def csv_table(payload):
+    header = ["case", "dtype", "mode", "rows", "hidden", "bytes"] + [f"{i}_us" for i in IMPLS] + ["agree"]
+    rows = [[r["case"], r.get("dtype", "bfloat16"), r.get("mode", "graph"), r["rows"], r["hidden"], r["bytes"],
+             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS),
+             None if r.get("agree") is None else f"{r['agree']:.6f}"] for r in payload["results"]]
+    return header, rows
+
+
+def write_charts(payload, stem):
+    """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per shape, a panel per case."""
+    paths = []
+    impls = [i for i in IMPLS if i != "copy"]
+    results = [r for r in payload["results"] if r["us"].get("copy")]
+    for mode, dtype in common.unique((r.get("mode", "graph"), r.get("dtype", "bfloat16")) for r in results):
+        rows = [r for r in results if (r.get("mode", "graph"), r.get("dtype", "bfloat16")) == (mode, dtype)]
+        groups, labels = [], []
+        for case in [c for c in CASES if any(r["case"] == c for r in rows)]:
+            sel = [r for r in rows if r["case"] == case]
+            groups.append((case, {i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None for r in sel]
+                                  for i in impls}))
+            labels.append([f"{r['rows']}x{r['hidden']}" for r in sel])
+        paths += common.bar_chart(f"{stem}_{mode}_{dtype}.png", f"quantized forms, {dtype}, {mode} mode: time over "
+                                  "a copy of the same bytes", groups, labels, impls)
+    return paths
+
+
+# -- the implementations -----------------------------------------------------------------------------
+def composite(torch, case):
+    """The eager composite of a case: (x, r, w, scale) -> the outputs (q, [residual_out,] scales)."""
+    form, fused = case.split()[-1], case.startswith("fused")
+
+    def fn(x, r, w, scale):
+        s = (x.float() + r.float()).to(x.dtype) if fused else x
+        xf = s.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
+        if form == "static":
+            q, scales = (y * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+        else:
+            g = y if form == "per_token" else y.unflatten(-1, (-1, GROUP))
+            sc = (g.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+            q = (g * (1.0 / sc)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(y.shape)
+            scales = sc if form == "per_token" else sc[..., 0]
+        return (q, s, scales) if fused else (q, scales)
+    return fn
+
+
+def ours(case, x, r, w, scale):
+    import cupy_rmsnorm as rn
+    form = case.split()[-1]
+    kw = {"scale": scale} if form == "static" else {"group_size": GROUP} if form == "per_group" else {}
+    if case.startswith("fused"):
+        return lambda: rn.fused_add_rms_norm_quant(x, r, w, EPS, residual_out=r, **kw)
+    return lambda: rn.rms_norm_quant(x, w, EPS, **kw)
+
+
+def flashinfer_call(torch, lib, case, x, r, w, scale):
+    """A FlashInfer call of the case, or None where FlashInfer has none (or not for x's dtype)."""
+    rows, hidden = x.shape
+    form, fused = case.split()[-1], case.startswith("fused")
+    if x.dtype != torch.bfloat16:
+        return None
+    out = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    p = ctypes.c_void_p
+
+    def ptr(t):
+        return p(t.data_ptr())
+
+    def stream():
+        return p(torch.cuda.current_stream().cuda_stream)
+    if form == "static" and not fused:
+        return lambda: _check(lib.fi_rmsnorm_quant(ptr(x), ptr(w), ptr(out), rows, hidden, ptr(scale),
+                                                   ctypes.c_float(EPS), stream()))
+    if form == "static":
+        return lambda: _check(lib.fi_fused_add_rmsnorm_quant(ptr(x), ptr(r), ptr(w), ptr(out), rows, hidden,
+                                                             ptr(scale), ctypes.c_float(EPS), stream()))
+    if form == "per_group" and fused:
+        if hidden > 16384 or hidden % (32 * (8 if hidden <= 8192 else 16)):
+            return None
+        block_scale = torch.empty(hidden // GROUP, (rows + 3) // 4 * 4, device=x.device)
+        normed = torch.empty_like(x)
+        return lambda: _check(lib.fi_fused_add_rmsnorm_fp8_block_quant(ptr(x), ptr(r), ptr(w), ptr(out),
+                                                                       ptr(block_scale), ptr(normed), rows, hidden,
+                                                                       ctypes.c_float(EPS), stream()))
+    return None
+
+
+def _check(err):
+    if err:
+        raise RuntimeError(f"FlashInfer launch failed: CUDA error {err}")
+
+
+def device_copy(torch, nbytes):
+    """The floor: a device copy moving ``nbytes`` (half read, half written, as int32)."""
+    src = torch.empty(nbytes // 2 // 4, dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def run(args):
+    import torch
+
+    from . import flashinfer, timing
+    started = time.perf_counter()
+    torch._dynamo.config.cache_size_limit = 256
+    device = common.gpu_device()
+    arch = device["compute_capability"].replace(".", "")
+    common.log(f"quant on {device['gpu']}: preparing FlashInfer's kernels ...")
+    lib, fi_why = flashinfer.library(args.flashinfer, arch)
+    runner = timing.TorchRunner()
+    scratch = timing.Scratch() if "cold" in args.modes else None
+    bandwidth, _ = timing.copy_bandwidth_gbps()
+    payload = {"meta": common.run_metadata("quant", device, copy_GBps=bandwidth, dtypes=args.dtypes,
+                                           shapes=[list(s) for s in args.shapes], cases=args.cases, modes=args.modes,
+                                           repeats=args.repeats, target_us=args.target_us,
+                                           flashinfer=args.flashinfer or "installed flashinfer-python"),
+               "results": [], "errors": [], "skipped": {}}
+    if lib is None:
+        payload["skipped"]["flashinfer"] = fi_why
+    common.log(f"copy bandwidth {bandwidth:.0f} GB/s; flashinfer: {fi_why or 'yes'}")
+    interrupted = False
+    try:
+        for rows, hidden in args.shapes:
+            if time.perf_counter() - started > args.budget_s:
+                payload["skipped"][f"{rows}x{hidden}"] = f"the time budget ({args.budget_s:.0f} s)"
+                continue
+            for dtype in args.dtypes:
+                _measure_shape(torch, timing, args, payload, lib, rows, hidden, dtype, runner, scratch, bandwidth)
+            torch.cuda.empty_cache()
+            common.save_partial(args, payload)
+    except KeyboardInterrupt:
+        interrupted = True
+        common.log("interrupted: saving what was measured")
+    payload["meta"]["seconds"] = time.perf_counter() - started
+    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
+
+
+def _measure_shape(torch, timing, args, payload, lib, rows, hidden, dtype_name, runner, scratch, bandwidth):
+    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + hidden)
+    dtype = getattr(torch, dtype_name)
+    x = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype)
+    r0 = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype)
+    w = (1 + 0.1 * torch.randn((hidden,), generator=gen, device="cuda")).to(dtype)
+    scale = torch.full((1,), 0.02, device="cuda")
+    for case in args.cases:
+        nbytes = moved_bytes(case, rows, hidden, x.element_size())
+        r = r0.clone()
+        eager = composite(torch, case)
+        agree = None
+        try:   # fraction of q's bytes equal to the eager composite's, one call each on fresh residuals
+            q = ours(case, x, r0.clone(), w, scale)()[0].view(torch.uint8)
+            agree = float((q == eager(x, r0.clone(), w, scale)[0].view(torch.uint8)).float().mean())
+        except Exception as e:  # noqa: BLE001 - reported, the timings still run
+            payload["errors"].append({"where": f"agree {case} {dtype_name} {rows}x{hidden}",
+                                      "error": common.error_text(e)})
+        for mode in args.modes:
+            us = {}
+            for impl in IMPLS:
+                us[impl] = None
+                try:
+                    with runner.context():
+                        if impl == "ours":
+                            fn = ours(case, x, r, w, scale)
+                        elif impl == "flashinfer":
+                            fn = flashinfer_call(torch, lib, case, x, r, w, scale) if lib is not None else None
+                        elif impl == "torch.compile":
+                            compiled = torch.compile(eager, fullgraph=True, dynamic=False)
+                            fn = lambda c=compiled: c(x, r, w, scale)  # noqa: E731
+                        else:
+                            fn = device_copy(torch, nbytes)
+                    if fn is not None:
+                        calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
+                        us[impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
+                except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
+                    where = f"{impl} {case} {mode} {dtype_name} {rows}x{hidden}"
+                    payload["errors"].append({"where": where, "error": common.error_text(e)})
+                    common.log(f"error: {where}: {common.error_text(e)}")
+            row = {"case": case, "dtype": dtype_name, "mode": mode, "rows": rows, "hidden": hidden, "bytes": nbytes,
+                   "us": us, "agree": agree}
+            payload["results"].append(row)
+            common.log("  " + "  ".join(table_rows([row])[0]))

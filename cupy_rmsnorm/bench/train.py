@@ -1,0 +1,195 @@
+"""``train``: a training check. A small randomly initialized HF Llama (LlamaForCausalLM, 4 layers
+x 1024, intermediate 2.75 x hidden, 16 heads / 4 KV heads, vocab 32000) with **bf16
+parameters** (and bf16 AdamW states, lr 3e-4, no autocast) is trained for 100 AdamW steps on
+random tokens (batch 8 x 512, a fixed generator): once as built, once with its RMSNorm modules
+swapped for ours (``cupy_rmsnorm.torch.patch_hf_rmsnorm``, on a copy of the same initial
+weights). Reported: both loss curves, max |loss difference| over the steps, and the median
+step time of each (CUDA-synchronized wall time of forward + backward + optimizer step, the
+first 5 steps left out). Under two minutes on an H200.
+"""
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+from . import common
+
+SUMMARY = "a training check: a small Llama trained with HF's norms and with ours"
+VARIANTS = ("hf", "ours")
+WARMUP_STEPS = 5          # left out of the median step time (allocator, autotuning, compiles)
+DEFAULTS = {"steps": 100, "layers": 4, "hidden": 1024, "batch": 8, "seq": 512}
+QUICK = {"steps": 20, "layers": 2, "hidden": 512, "seq": 256}
+EPILOG = (f"needs torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']})\n\n"
+          f"{common.PEERS_HELP}")
+
+
+def add_arguments(p):
+    common.add_common_options(p)
+    p.add_argument("--steps", type=common.positive_int, help="AdamW steps (default: 100; --quick: 20)")
+    p.add_argument("--layers", type=common.positive_int, help="decoder layers (default: 4; --quick: 2)")
+    p.add_argument("--hidden", type=common.positive_int, help="hidden size, a multiple of 16 (default: 1024; "
+                                                              "--quick: 512)")
+    p.add_argument("--batch", type=common.positive_int, help="sequences per step (default: 8)")
+    p.add_argument("--seq", type=common.positive_int, help="tokens per sequence (default: 512; --quick: 256)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: 3e-4)")
+    p.add_argument("--seed", type=int, default=0, help="weights and tokens (default: 0)")
+    # "cpu": a tiny run to smoke the harness without a GPU
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+
+
+def finish_args(args, parser):
+    common.resolve_defaults(args, DEFAULTS, QUICK)
+    if args.hidden % 16:
+        parser.error(f"--hidden {args.hidden} is not a multiple of the 16 attention heads")
+
+
+def requirements_missing(args):
+    why = common.torch_missing() if args.device == "cuda" else None
+    return why or common.module_missing("transformers", "transformers", "transformers")
+
+
+# -- the report ----------------------------------------------------------------------------------
+def _losses(payload):
+    by = {r["variant"]: r for r in payload["results"]}
+    return by, list(zip(by["hf"]["losses"], by["ours"]["losses"])) if len(by) == 2 else []
+
+
+def _shown_steps(n):
+    return sorted(set(range(0, n, 10)) | {n - 1}) if n else []
+
+
+HEADERS = ["step", "hf loss", "ours loss", "|diff|"]
+
+
+def table_rows(payload):
+    _, pairs = _losses(payload)
+    return [[str(i), f"{pairs[i][0]:.4f}", f"{pairs[i][1]:.4f}", f"{abs(pairs[i][0] - pairs[i][1]):.4f}"]
+            for i in _shown_steps(len(pairs))]
+
+
+def summary(payload):
+    meta, (by, pairs) = payload["meta"], _losses(payload)
+    c = meta.get("config", {})
+    lines = [f"{meta.get('norms_replaced', '?')} norms replaced; {meta.get('params', '')}; {c.get('steps')} AdamW "
+             f"steps, {c.get('layers')} layers x {c.get('hidden')}, batch {c.get('batch')} x {c.get('seq')}"]
+    if pairs:
+        lines.append(f"max |loss difference| {payload['max_abs_loss_diff']:.4g}; median step: hf "
+                     f"{by['hf']['median_step_ms']:.1f} ms, ours {by['ours']['median_step_ms']:.1f} ms")
+    return lines
+
+
+def format_report(payload):
+    parts = [common.format_header(payload["meta"]), "\n".join(summary(payload))]
+    if table_rows(payload):
+        parts.append(common.render_table(HEADERS, table_rows(payload)))
+    parts += common.notes(payload)
+    return "\n\n".join(p for p in parts if p)
+
+
+def format_markdown(payload):
+    meta = payload["meta"]
+    lines = [f"# Training check: {(meta.get('device') or {}).get('gpu', '?')}", "",
+             common.format_header(meta).replace("\n", "  \n"), "", *(f"{s}." for s in summary(payload)), ""]
+    if table_rows(payload):
+        lines += [common.markdown_table(HEADERS, table_rows(payload)), ""]
+    return "\n".join(lines)
+
+
+def csv_table(payload):
+    by, pairs = _losses(payload)
+    rows = [[i, a, b, abs(a - b), by["hf"]["step_s"][i] * 1e3, by["ours"]["step_s"][i] * 1e3]
+            for i, (a, b) in enumerate(pairs)]
+    return ["step", "hf_loss", "ours_loss", "abs_diff", "hf_step_ms", "ours_step_ms"], rows
+
+
+def write_charts(payload, stem):
+    """``stem.png``: both loss curves, and their difference."""
+    from matplotlib.figure import Figure
+    by, pairs = _losses(payload)
+    if not pairs:
+        return []
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    for name in VARIANTS:
+        top.plot(by[name]["losses"], label=f"{name} (median step {by[name]['median_step_ms']:.1f} ms)")
+    bottom.plot([abs(a - b) for a, b in pairs], color="black")
+    top.set_ylabel("loss")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("|difference|")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.suptitle("training check: the same Llama with HF's norms and with ours (bf16 parameters)", fontsize=10)
+    fig.savefig(stem + ".png", dpi=110)
+    return [stem + ".png"]
+
+
+# -- the run -----------------------------------------------------------------------------------------
+def build_model(torch, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
+                         num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
+                         max_position_embeddings=args.seq, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(device=args.device, dtype=torch.bfloat16)
+    with torch.no_grad():            # norm weights away from one, so their numerics matter
+        for m in model.modules():
+            if type(m).__name__ == "LlamaRMSNorm":
+                m.weight.normal_(1.0, 0.1)
+    return model.train()
+
+
+def train(torch, model, batches, lr):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sync = torch.cuda.synchronize if batches[0].is_cuda else (lambda: None)
+    losses, times = [], []
+    for ids in batches:
+        sync()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return losses, times
+
+
+def run(args):
+    import torch
+    started = time.perf_counter()
+    config = {k: getattr(args, k) for k in ("steps", "layers", "hidden", "batch", "seq", "lr", "seed")}
+    device = common.gpu_device() if args.device == "cuda" else {"gpu": "cpu"}
+    payload = {"meta": common.run_metadata("train", device, config=config,
+                                           params="bfloat16 (AdamW states bfloat16, no autocast)"),
+               "results": [], "errors": [], "skipped": {}}
+    hf = build_model(torch, args)
+    models = [("hf", hf)]
+    if args.device == "cuda":
+        import cupy_rmsnorm.torch as rnt
+        ours = copy.deepcopy(hf)
+        payload["meta"]["norms_replaced"] = rnt.patch_hf_rmsnorm(ours)
+        models.append(("ours", ours))
+    else:
+        payload["skipped"]["ours"] = "needs CUDA (--device cpu)"
+    gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
+    batches = [torch.randint(3, 32000, (args.batch, args.seq), generator=gen, device=args.device)
+               for _ in range(args.steps)]
+    interrupted = False
+    try:
+        for name, model in models:
+            losses, times = train(torch, model, batches, args.lr)
+            payload["results"].append({"variant": name, "losses": losses, "step_s": times,
+                                       "median_step_ms": 1e3 * statistics.median(times[WARMUP_STEPS:] or times)})
+            common.log(f"{name}: final loss {losses[-1]:.4f}, median step {payload['results'][-1]['median_step_ms']:.1f} ms")
+    except KeyboardInterrupt:
+        interrupted = True
+        common.log("interrupted: saving what was measured")
+    _, pairs = _losses(payload)
+    payload["max_abs_loss_diff"] = max((abs(a - b) for a, b in pairs), default=None)
+    payload["meta"]["seconds"] = time.perf_counter() - started
+    return common.finish_run(sys.modules[__name__], args, payload, interrupted)

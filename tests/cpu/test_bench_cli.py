@@ -1,0 +1,236 @@
+"""The benchmark harness's command line on the CPU (``python -m cupy_rmsnorm.bench``): the
+sub-commands and their common options, the shape syntax, the exit codes and the no-GPU
+message, what every report records about its run, and ``--replot`` of each committed report."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import child_env
+
+from cupy_rmsnorm.bench import cli, common, peers, timing
+
+COMMANDS = ("forward", "backward", "quant", "e2e", "train")
+RESULTS = os.path.join(common.library_root(), common.COMMITTED_RESULTS)
+# what each committed report's console text must show (a table's content, not just a title)
+REPORT_TEXT = {"forward": ("rms_norm, bfloat16, graph", "16384x8192", "fused_add_rms_norm, float16, cold"),
+               "backward": ("forward+backward", "16384x8192", "liger"),
+               "quant": ("fused per_group", "flashinfer", "geomean ours / best peer"),
+               "e2e": ("ours_fused", "compiled", "agreement floor"),
+               "train": ("max |loss difference|", "9 norms replaced", "99")}
+
+
+def options_of(command):
+    return {o for action in cli.build_parser()[1][command]._actions for o in action.option_strings}
+
+
+# -- sub-commands and options --------------------------------------------------------------------
+def test_help_lists_every_subcommand_how_to_add_peers_and_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    usage = out.splitlines()[0]
+    assert usage.startswith("usage: cupy-rmsnorm-bench") and all(c in usage for c in COMMANDS)
+    assert "pip install liger-kernel" in out and "pip install flashinfer-python" in out
+    assert "3 no CUDA GPU" in out and "2 a bad command line" in out
+
+
+def test_no_subcommand_is_forward():
+    assert cli.parse_args([]).command == "forward"
+    assert cli.parse_args(["--quick", "--ops", "rms"]).command == "forward"
+    assert [cli.parse_args([c]).command for c in COMMANDS] == list(COMMANDS)
+
+
+def test_every_subcommand_spells_the_common_options_alike():
+    for command in COMMANDS:
+        assert {"--out", "--name", "--quick", "--replot"} <= options_of(command), command
+        args = cli.parse_args([command])
+        assert (args.out, args.name, args.replot) == ("bench_results", command, None)
+    for command in ("forward", "backward", "quant"):
+        assert {"--shapes", "--dtypes", "--modes", "--repeats", "--no-chart"} <= options_of(command)
+    assert {"--modes", "--repeats"} <= options_of("e2e") and "--no-chart" in options_of("train")
+
+
+@pytest.mark.parametrize("command", ["forward", "backward", "quant"])
+def test_one_shape_syntax(command):
+    args = cli.parse_args([command, "--shapes", "1,32x4096,8192", "4096x4095", "32x4096", "--dtypes", "bf16,FP16"])
+    assert args.shapes == [(1, 4096), (32, 4096), (1, 8192), (32, 8192), (4096, 4095)]
+    assert args.dtypes == ["bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["backward", "--shapes", "1x4096,4096x4095"], "TOKENSxHIDDEN"),   # the old backward syntax
+    (["quant", "--shapes", "0x4096"], "positive"),
+    (["backward", "--modes", "hot"], "unknown mode"),
+    (["quant", "--cases", "per_block"], "unknown case"),
+    (["train", "--hidden", "1000"], "multiple of the 16"),
+    (["e2e", "--repeats", "0"], "positive integer"),
+    (["nonsense"], "unrecognized arguments"),
+])
+def test_bad_command_lines_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == common.EXIT_USAGE == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_parse_shapes_is_a_product():
+    assert common.parse_shapes("1,32x4096,8192") == [(1, 4096), (32, 4096), (1, 8192), (32, 8192)]
+    assert common.parse_shapes(" 7X9 ") == [(7, 9)]
+    for bad in ("x4096", "4096x", "ax4", "1,,2x4", "-1x4", "4x4x4"):
+        with pytest.raises(ValueError):
+            common.parse_shapes(bad)
+
+
+def test_quick_changes_only_what_was_not_given():
+    quick = cli.parse_args(["backward", "--quick", "--dtypes", "fp16"])
+    assert quick.dtypes == ["float16"] and quick.repeats == 3 and len(quick.shapes) == 3
+    assert cli.parse_args(["train", "--quick"]).steps == 20 and cli.parse_args(["train"]).steps == 100
+    e2e = cli.parse_args(["e2e", "--quick", "--layers", "3"])
+    assert (e2e.layers, e2e.modes, e2e.new_tokens) == (3, ["eager"], 16)
+
+
+# -- no GPU, missing requirements ----------------------------------------------------------------
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_gpu_is_one_line_pointing_to_the_committed_report(command, monkeypatch, capsys):
+    monkeypatch.setattr(timing, "gpu_missing", lambda: "CUDARuntimeError: no device\n(detail)")
+    assert cli.main([command]) == common.EXIT_NO_GPU == 3
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert out.err.startswith(f"cupy-rmsnorm-bench {command}: no CUDA GPU available, nothing measured "
+                              "(CUDARuntimeError: no device (detail))")
+    replot = out.err.split("The committed report: ")[1].split()
+    assert replot[:5] == ["python", "-m", "cupy_rmsnorm.bench", command, "--replot"]
+    assert os.path.samefile(replot[5], os.path.join(RESULTS, f"{command}.json"))
+
+
+def test_no_gpu_from_the_command_line_and_its_replot(tmp_path):
+    """The message's command, run as printed, shows the committed report without a GPU."""
+    env = child_env(CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "cupy_rmsnorm.bench", "backward"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == common.EXIT_NO_GPU and proc.stdout == "", proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU available" in lines[0] and "Traceback" not in proc.stderr
+    command = lines[0].split("The committed report: ")[1].split()
+    replot = subprocess.run([sys.executable, *command[1:], "--no-chart"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert replot.returncode == 0, replot.stderr
+    assert "backward, graph mode" in replot.stdout and "16384x8192" in replot.stdout
+    assert sorted(os.listdir(tmp_path / "bench_results")) == ["backward.csv", "backward.md"]
+
+
+@pytest.mark.parametrize("command", ["backward", "quant", "train", "e2e"])
+def test_a_missing_requirement_is_an_error_saying_what_to_install(command, monkeypatch, capsys):
+    monkeypatch.setattr(timing, "gpu_missing", lambda: None)
+    monkeypatch.setattr(common, "torch_missing", lambda: "PyTorch is not importable (ImportError: x); "
+                                                         + common.INSTALL_HINTS["torch"])
+    assert cli.main([command]) == common.EXIT_ERROR
+    assert "pip install torch" in capsys.readouterr().err
+
+
+def test_module_missing_says_how_to_install():
+    assert common.module_missing("no_such_module_here", "liger-kernel", "liger") == \
+        "liger-kernel is not installed (pip install liger-kernel)"
+    assert common.module_missing("json", "json", "liger") is None
+
+
+def test_gpu_missing_never_raises(monkeypatch):
+    cupy = pytest.importorskip("cupy", reason="needs CuPy to stand in a broken runtime")
+
+    def broken():
+        raise RuntimeError("driver exploded")
+    monkeypatch.setattr(timing._driver, "_driver_library", lambda: object())   # as if a driver were there
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", broken)
+    assert "driver exploded" in timing.gpu_missing()
+
+
+# -- what a report records -------------------------------------------------------------------------
+def test_run_metadata_records_the_commit_of_the_library_measured(monkeypatch):
+    root = common.library_root()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    monkeypatch.setattr(sys, "argv", ["cupy-rmsnorm-bench", "backward", "--quick"])
+    meta = common.run_metadata("backward", {"gpu": "G"}, repeats=3)
+    if head.returncode == 0:
+        assert meta["commit"] == head.stdout.strip() and isinstance(meta["dirty"], bool)
+    else:                                                      # an installed package: nothing to record
+        assert meta["commit"] is None and meta["dirty"] is None
+    assert meta["command"] == "backward" and meta["argv"] == ["backward", "--quick"]
+    assert meta["device"] == {"gpu": "G"} and meta["repeats"] == 3 and len(meta["date"]) >= 19
+    assert {"python", "cupy_rmsnorm"} <= set(meta["versions"])
+
+
+def test_git_state_only_of_the_checkout_holding_the_library(tmp_path):
+    assert common.git_state(str(tmp_path)) == (None, None)                 # no repository
+    inside = os.path.join(common.library_root(), "cupy_rmsnorm")
+    assert common.git_state(inside) == (None, None)                        # not the checkout's top
+
+
+def test_format_header():
+    meta = {"device": {"gpu": "NVIDIA H200", "sm_count": 132, "compute_capability": "9.0",
+                       "driver_version": "580.1", "cuda_driver_api": "13.0"},
+            "versions": {"cupy": "14.2.0"}, "commit": "abc", "dirty": True}
+    head = common.format_header(meta)
+    assert "NVIDIA H200 (132 SMs, compute capability 9.0), driver 580.1" in head
+    assert "commit: abc (uncommitted changes)" in head and "cupy 14.2.0" in head
+    old = common.format_header({"device": {"gpu": "G"}, "commit": None, "note": "predates commit recording"})
+    assert old == "GPU: G\ncommit: not recorded (predates commit recording)"
+
+
+# -- the committed reports ------------------------------------------------------------------------
+def test_results_hold_the_current_reports_only():
+    names = sorted(os.listdir(RESULTS))
+    stems = {n.split(".")[0].split("_")[0] for n in names}
+    assert stems == set(COMMANDS), names
+    assert all(f"{c}.json" in names and f"{c}.md" in names and f"{c}.csv" in names for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_committed_report_records_its_commit_or_says_why_not(command):
+    meta = common.load_json(os.path.join(RESULTS, f"{command}.json"))["meta"]
+    assert meta["command"] == command and meta["device"]["gpu"] == "NVIDIA H200"
+    if meta["commit"] is None:
+        assert "predates commit recording" in meta["note"]
+    else:
+        assert len(meta["commit"]) == 40 and isinstance(meta["dirty"], bool)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_replot_of_each_committed_report(command, tmp_path, capsys):
+    """--replot prints the report's tables and writes its Markdown and CSV, the very files
+    committed beside the JSON; it never writes the JSON."""
+    path = os.path.join(RESULTS, f"{command}.json")
+    assert cli.main([command, "--replot", path, "--out", str(tmp_path), "--name", "re"]
+                    + (["--no-chart"] if command != "e2e" else [])) == 0
+    out = capsys.readouterr().out
+    assert all(text in out for text in REPORT_TEXT[command]), out[:2000]
+    for ext in ("md", "csv"):
+        with open(os.path.join(RESULTS, f"{command}.{ext}"), encoding="utf-8") as f:
+            assert (tmp_path / f"re.{ext}").read_text(encoding="utf-8") == f.read(), ext
+    assert not (tmp_path / "re.json").exists()
+
+
+def test_replot_refuses_a_report_of_another_subcommand_and_unreadable_files(tmp_path, capsys):
+    forward_json = os.path.join(RESULTS, "forward.json")
+    assert cli.main(["backward", "--replot", forward_json, "--out", str(tmp_path)]) == common.EXIT_ERROR
+    assert f"is a forward report: cupy-rmsnorm-bench forward --replot {forward_json}" in capsys.readouterr().err
+    assert cli.main(["quant", "--replot", str(tmp_path / "missing.json")]) == common.EXIT_ERROR
+    (tmp_path / "old.json").write_text(json.dumps({"device": {}, "results": []}))
+    assert cli.main(["quant", "--replot", str(tmp_path / "old.json")]) == common.EXIT_ERROR
+    assert capsys.readouterr().err.count("cannot read") == 2
+
+
+def test_peers_say_how_to_install_what_is_missing(monkeypatch):
+    monkeypatch.setattr(peers, "torch_missing", lambda: None)
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)    # no Triton, no Liger
+    _, missing = peers.availability(["ours", "torch_compile"])
+    assert "Triton" in missing["torch_compile"] and "torch" in missing["torch_compile"]
+    peers.liger_missing.cache_clear()
+    try:
+        assert "pip install liger-kernel" in peers.liger_missing()
+    finally:
+        peers.liger_missing.cache_clear()

@@ -1,0 +1,144 @@
+"""``python -m cupy_rmsnorm.bench quant`` and its FlashInfer peer on the CPU: arguments, bytes,
+the table and the files, the header extraction, what ``--flashinfer`` accepts, and (where nvcc
+and the extracted headers are here) that the FlashInfer wrapper compiles."""
+
+import csv
+import os
+import subprocess
+import zipfile
+
+import pytest
+
+from cupy_rmsnorm.bench import cli, common, flashinfer, quant
+
+ROOT = common.library_root()
+
+
+def test_arguments():
+    args = cli.parse_args(["quant", "--shapes", "1x4096", "4096x7168", "--cases", "static,fused per_group",
+                           "--flashinfer", ".flashinfer", "--modes", "graph,cold"])
+    assert args.shapes == [(1, 4096), (4096, 7168)] and args.cases == ["static", "fused per_group"]
+    assert args.flashinfer == ".flashinfer" and args.modes == ["graph", "cold"]
+    default = cli.parse_args(["quant"])
+    assert default.shapes == list(quant.SHAPES) and default.cases == list(quant.CASES)
+    assert (default.dtypes, default.modes, default.repeats, default.flashinfer) == (["bfloat16"], ["graph"], 7, None)
+
+
+def test_moved_bytes():
+    n = 4096 * 4096
+    assert quant.moved_bytes("static", 4096, 4096) == 3 * n
+    assert quant.moved_bytes("per_token", 4096, 4096) == 3 * n + 4 * 4096
+    assert quant.moved_bytes("fused per_group", 4096, 4096) == 7 * n + 4 * 4096 * 32
+    assert quant.moved_bytes("static", 1, 8, itemsize=4) == 8 * 4 + 8
+
+
+def test_the_contracts_fp8_constants():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+    assert quant.FP8_MAX == float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    import cupy_rmsnorm as rn     # an all-zero row: the reference's scale is the floor
+    _, scales = rn.rms_norm_quant_reference(np.zeros((1, 128), np.float32), np.ones(128, np.float32))
+    assert float(scales[0, 0]) == pytest.approx(quant.MIN_SCALE, rel=1e-6)
+
+
+def test_report_and_files(tmp_path):
+    n = 4096 * 4096
+    rows = [{"case": "fused static", "dtype": "bfloat16", "mode": "graph", "rows": 4096, "hidden": 4096,
+             "bytes": 7 * n, "agree": 0.9999, "us": {"ours": 30.0, "flashinfer": 40.0, "torch.compile": 37.5,
+                                                     "copy": 28.0}},
+            {"case": "per_token", "dtype": "bfloat16", "mode": "graph", "rows": 1, "hidden": 4096, "bytes": 3 * 4096,
+             "agree": None, "us": {"ours": 2.0, "flashinfer": None, "torch.compile": 1.6, "copy": 1.0}}]
+    payload = {"meta": {"command": "quant", "commit": None, "note": "n", "device": {"gpu": "G"},
+                        "copy_GBps": 4000.0, "flashinfer": ".flashinfer"},
+               "results": rows, "errors": [], "skipped": {"flashinfer": "nvcc is not on PATH"}}
+    text = quant.format_report(payload)
+    line = next(x for x in text.splitlines() if x.startswith("fused static")).split()
+    assert line[3:12] == ["4096x4096", "graph", "30.00", "40.00", "37.50", "28.00", "0.800", "1.071",
+                          f"{7 * n / 30e3:.0f}"]
+    assert "per_token 1x4096 (1.25)" in text and f"geomean ours / best peer: {(0.8 * 1.25) ** 0.5:.3f}" in text
+    assert "skipped flashinfer: nvcc is not on PATH" in text and "FlashInfer: .flashinfer" in text
+    common.write_report(quant, payload, str(tmp_path), "q", charts=False)
+    with open(tmp_path / "q.csv", newline="") as f:
+        got = list(csv.DictReader(f))
+    assert list(got[0]) == ["case", "dtype", "mode", "rows", "hidden", "bytes", "ours_us", "flashinfer_us",
+                            "torch.compile_us", "copy_us", "agree"]
+    assert got[0]["agree"] == "0.999900" and got[1]["flashinfer_us"] == "" and got[1]["agree"] == ""
+    assert "| fused static | bfloat16 | 4096x4096 | graph | 30.00 |" in (tmp_path / "q.md").read_text()
+
+
+# -- FlashInfer --------------------------------------------------------------------------------------
+NORM = ('#ifndef FLASHINFER_NORM_CUH_\n#define FLASHINFER_NORM_CUH_\n#include "flashinfer/trtllm/common/x.cuh"\n'
+        '#include "math.cuh"\nnamespace flashinfer {\nnamespace norm {\nusing namespace tensorrt_llm::common;\n'
+        'template <typename T> void RMSNormQuant() {}\n' + flashinfer.CUT + '() {}\n}\n}\n#endif\n')
+
+
+def test_trimmed_norm_keeps_the_rmsnorm_kernels_only():
+    out = flashinfer.trimmed_norm(NORM)
+    assert "RMSNormQuant" in out and "compute_layernorm" not in out and "trtllm" not in out
+    assert "tensorrt_llm" not in out and '#include "math.cuh"' in out
+    assert out.rstrip().endswith("#endif  // FLASHINFER_NORM_CUH_")
+    with pytest.raises(ValueError, match="LayerNorm section"):
+        flashinfer.trimmed_norm("namespace flashinfer {}")
+
+
+def fake_wheel(path):
+    with zipfile.ZipFile(path, "w") as whl:
+        for name in flashinfer.HEADERS:
+            whl.writestr(flashinfer.WHEEL_PREFIX + name, f"// {name}\n")
+        whl.writestr(flashinfer.WHEEL_PREFIX + "norm.cuh", NORM)
+        whl.writestr("flashinfer_python-0.7.4.dist-info/METADATA", "Name: flashinfer-python\n")
+    return path
+
+
+def test_headers_from_a_wheel(tmp_path):
+    assert flashinfer.main([str(fake_wheel(tmp_path / "fi.whl")), "--out", str(tmp_path / "fi")]) == 0
+    include = tmp_path / "fi" / "include"
+    assert sorted(os.listdir(include / "flashinfer")) == sorted(flashinfer.HEADERS + ("norm_rms.cuh",))
+    assert (include / "VERSION").read_text() == "0.7.4\n"
+    assert "RMSNormQuant" in (include / "flashinfer" / "norm_rms.cuh").read_text()
+
+
+def test_what_flashinfer_accepts(tmp_path, monkeypatch):
+    assert flashinfer.library("none", "90") == (None, "--flashinfer none")
+    lib, why = flashinfer.library(str(tmp_path), "90")
+    assert lib is None and "has no include/flashinfer/norm_rms.cuh" in why
+    lib, why = flashinfer.library(str(tmp_path / "missing.so"), "90")
+    assert lib is None and why.startswith("OSError")
+    monkeypatch.setattr(flashinfer, "find_nvcc", lambda: None)
+    monkeypatch.setattr(flashinfer.tempfile, "gettempdir", lambda: str(tmp_path / "cache"))
+    lib, why = flashinfer.library(str(fake_wheel(tmp_path / "fi.whl")), "90")   # extracted, then no nvcc
+    assert lib is None and "nvcc is not on PATH" in why
+    cached = tmp_path / "cache" / "cupy_rmsnorm_flashinfer" / "fi" / "include" / "flashinfer" / "norm_rms.cuh"
+    assert cached.is_file()
+    monkeypatch.setattr(flashinfer, "installed_include", lambda: None)
+    lib, why = flashinfer.library(None, "90")
+    assert lib is None and "pip install flashinfer-python" in why
+
+
+def test_build_runs_nvcc_once(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_nvcc(cmd, capture_output, text, timeout):
+        calls.append(cmd)
+        open(cmd[-1], "w").close()
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(flashinfer, "find_nvcc", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(flashinfer.subprocess, "run", fake_nvcc)
+    lib = flashinfer.build("/inc", str(tmp_path), "90")
+    assert lib == str(tmp_path / "sm90" / flashinfer.LIBRARY) and flashinfer.build("/inc", str(tmp_path), "90") == lib
+    (cmd,) = calls                                             # the second call reused the library
+    assert cmd[0] == "/opt/cuda/bin/nvcc" and "-arch=sm_90" in cmd and cmd[cmd.index("-I") + 1] == "/inc"
+    assert flashinfer.SOURCE in cmd and os.path.isfile(flashinfer.SOURCE)
+
+
+HEADERS = os.path.join(ROOT, ".flashinfer", "include", "flashinfer", "norm_rms.cuh")
+
+
+@pytest.mark.skipif(flashinfer.find_nvcc() is None or not os.path.isfile(HEADERS),
+                    reason="FlashInfer wrapper compile: needs nvcc and .flashinfer/include "
+                           "(python -m cupy_rmsnorm.bench.flashinfer WHEEL)")
+def test_flashinfer_wrapper_compiles(tmp_path):
+    cmd = [flashinfer.find_nvcc(), "-std=c++17", "-arch=sm_90", "-c", "-I", os.path.dirname(os.path.dirname(HEADERS)),
+           flashinfer.SOURCE, "-o", str(tmp_path / "fi.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
