@@ -5,8 +5,8 @@ NumPy through the reference on the CPU, torch tensors zero-copy on torch's curre
 
 from typing import Any, Literal, Optional, Tuple
 
-from ._call import backward_call, forward_call, quant_call
-from ._layout import BackwardArrays
+from ._call import backward_call, forward_call, gated_backward_call, gated_call, quant_call
+from ._layout import BackwardArrays, GatedBackwardArrays
 
 Array = Any
 """A CuPy array, a NumPy array, a PyTorch tensor or a CUDA array with ``__dlpack__``."""
@@ -14,7 +14,7 @@ CastingMode = Literal["fp32", "llama"]
 
 
 def rms_norm(x: Array, weight: Optional[Array] = None, eps: float = 1e-6, *, out: Optional[Array] = None,
-             weight_offset: float = 0.0, casting_mode: CastingMode = "fp32") -> Array:
+             out_dtype: Any = None, weight_offset: float = 0.0, casting_mode: CastingMode = "fp32") -> Array:
     """Root-mean-square normalization over the last axis.
 
     ``out[..., i] = x[..., i] / sqrt(mean(x[..., :]**2) + eps) * (weight[i] + weight_offset)``
@@ -28,27 +28,34 @@ def rms_norm(x: Array, weight: Optional[Array] = None, eps: float = 1e-6, *, out
             CuPy's current stream), NumPy (runs the reference on the CPU), a PyTorch CUDA
             tensor or any CUDA array with ``__dlpack__`` (zero copy, on torch's current
             stream for tensors).
-        weight: (hidden,) array of x's dtype or float32, or None for no scaling.
+        weight: (hidden,) array of float32, float16 or bfloat16 (any, whatever x's), or None
+            for no scaling.
         eps: added to the mean of squares; finite, >= 0.
-        out: optional destination of x's shape and dtype; may be ``x`` itself (in place).
-            Overwritten.
+        out: optional destination of x's shape and the output dtype; may be ``x`` itself (in
+            place). Overwritten.
+        out_dtype: the output's dtype (float32, float16 or bfloat16, as a name or a NumPy,
+            ml_dtypes or torch dtype); default x's. ``"llama"`` rounds to it.
         weight_offset: added to the weight in float32 (Gemma uses 1.0).
         casting_mode: ``"fp32"`` or ``"llama"``.
 
     Returns:
         ``out`` (a new array of x's kind when ``out`` is None).
     """
-    return forward_call(False, (x, None, weight, out, None), eps, weight_offset, casting_mode)
+    return forward_call(False, (x, None, weight, out, None), eps, weight_offset, casting_mode, out_dtype)
 
 
 def fused_add_rms_norm(x: Array, residual: Array, weight: Optional[Array] = None, eps: float = 1e-6, *,
-                       out: Optional[Array] = None, residual_out: Optional[Array] = None,
+                       out: Optional[Array] = None, residual_out: Optional[Array] = None, out_dtype: Any = None,
                        weight_offset: float = 0.0, casting_mode: CastingMode = "fp32") -> Tuple[Array, Array]:
     """Residual add then RMSNorm, in one pass over memory.
 
-    ``residual_out = round(x + residual)`` (to x's dtype), then
+    ``residual_out = round(x + residual)`` (to the residual's dtype), then
     ``out = rms_norm(residual_out, weight, eps)``: the rounded sum is what gets
     normalized, so the result equals the unfused ops exactly.
+
+    Mixed precision: the residual (and residual_out) may be float32 with x of any dtype, a
+    float32 residual stream: residual_out = x + residual in float32, normalized from that
+    float32 value; out has ``out_dtype`` (default x's).
 
     ``out=x, residual_out=residual`` is the in-place form of vLLM's and FlashInfer's
     fused op (both arguments overwritten, nothing allocated). Other arguments as in
@@ -57,7 +64,7 @@ def fused_add_rms_norm(x: Array, residual: Array, weight: Optional[Array] = None
     Returns:
         ``(out, residual_out)``.
     """
-    return forward_call(True, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
+    return forward_call(True, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode, out_dtype)
 
 
 def rms_norm_quant(x: Array, weight: Optional[Array] = None, eps: float = 1e-6, *, scale: Optional[Array] = None,
@@ -163,3 +170,60 @@ def fused_add_rms_norm_backward(dy: Array, d_residual_out: Optional[Array], resi
     """
     return backward_call(True, BackwardArrays(dy, residual_out, d_residual_out, weight), eps, weight_offset,
                          casting_mode)
+
+
+def rms_norm_gated(x: Array, gate: Array, weight: Optional[Array] = None, eps: float = 1e-6, *,
+                   group_size: Optional[int] = None, norm_before_gate: bool = True, activation: str = "silu",
+                   out: Optional[Array] = None, out_dtype: Any = None, weight_offset: float = 0.0,
+                   casting_mode: CastingMode = "fp32") -> Array:
+    """Gated RMSNorm, the norm of linear-attention and state-space layers (Gated DeltaNet in
+    Qwen3-Next / Qwen3.5, Mamba2, Nemotron-H, flash-linear-attention).
+
+    ``norm_before_gate=True``: ``y = rmsnorm(x) * (weight + weight_offset) * act(gate)``;
+    ``False`` (Mamba2): ``y = rmsnorm(x * act(gate)) * (weight + weight_offset)``. ``act`` is
+    ``"silu"`` (``z * sigmoid(z)``) or ``"sigmoid"``, in float32. With ``group_size`` each run
+    of that many channels of a row is normalized on its own (hidden a multiple of it); the
+    weight runs over the whole row. Float32 throughout with one rounding at the end
+    (``casting_mode="fp32"``), or Hugging Face's roundings (``"llama"``: the normalized value
+    rounded to the output dtype before the weight multiply, the product with a weight of that
+    dtype rounded too, then the gate).
+
+    Args:
+        x: (..., hidden) float32, float16 or bfloat16 array (CuPy, NumPy, a PyTorch CUDA tensor
+            or a CUDA ``__dlpack__`` producer), rows may be strided views.
+        gate: x's shape and dtype; typically a view into a packed projection output.
+        weight: (hidden,) of any of the three dtypes, or None.
+        eps, weight_offset, casting_mode: as in ``rms_norm``.
+        group_size: channels normalized together, or None for the whole row.
+        norm_before_gate, activation: see above.
+        out: optional destination of x's shape and the output dtype (overwritten; may be x or
+            gate themselves).
+        out_dtype: the output's dtype (default x's).
+
+    Returns:
+        ``out`` (a new array of x's kind when ``out`` is None).
+    """
+    return gated_call((x, gate, weight, out), eps, weight_offset, casting_mode, group_size, norm_before_gate,
+                      activation, out_dtype)
+
+
+def rms_norm_gated_backward(dy: Array, x: Array, gate: Array, weight: Optional[Array] = None, eps: float = 1e-6, *,
+                            group_size: Optional[int] = None, norm_before_gate: bool = True,
+                            activation: str = "silu", weight_offset: float = 0.0,
+                            casting_mode: CastingMode = "fp32") -> Tuple[Array, Array, Optional[Array]]:
+    """Gradients of ``rms_norm_gated(x, gate, weight, eps, ...)`` given ``dy``, the gradient of
+    its output (x's shape, the output's dtype).
+
+    In float32, per group: r = inv_rms, a = act(gate), a' = act'(gate), g = dy * w'. Norm before
+    gate: ``dx = r * (g*a - xhat * mean(g*a * xhat))``, ``dgate = dy * xhat * w' * a'``,
+    ``dweight = sum over rows of dy * a * xhat``; gate before norm (h = x * a): ``dh = r * (g -
+    hhat * mean(g * hhat))``, ``dx = dh * a``, ``dgate = dh * x * a'``, ``dweight = sum of dy *
+    hhat`` (llama: xhat / hhat rounded as the forward multiplied them). dweight is added in a
+    fixed order (the same bits every run).
+
+    Returns:
+        ``(dx, dgate, dweight)``: new arrays of x's kind (dx and dgate of x's shape and dtype,
+        contiguous; dweight of the weight's dtype, None without a weight).
+    """
+    return gated_backward_call(GatedBackwardArrays(dy, x, gate, weight), eps, weight_offset, casting_mode, group_size,
+                               norm_before_gate, activation)

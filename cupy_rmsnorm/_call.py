@@ -21,12 +21,14 @@ from typing import NamedTuple
 
 from . import _cache, _interop, _validate
 from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
-from ._launcher import BackwardLauncher, Launcher, QuantLauncher
-from ._layout import OUT, OUTPUTS, RESIDUAL_OUT, SCALE, SCALES, Arrays, BackwardArrays, QuantArrays, backward_layout, \
-    call_layout, new_scales, quant_layout
+from ._launcher import (BackwardLauncher, GatedBackwardLauncher, GatedLauncher, Launcher, MixedBackward,
+                        MixedLauncher, QuantLauncher)
+from ._layout import (OUT, OUTPUTS, RESIDUAL_OUT, SCALE, SCALES, Arrays, BackwardArrays, GatedArrays, GatedBackwardArrays,
+                      QuantArrays, backward_layout, call_layout, gated_backward_layout, gated_layout, new_scales,
+                      quant_layout)
 from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_quant_reference,
-                         fused_add_rms_norm_reference, rms_norm_backward_reference, rms_norm_quant_reference,
-                         rms_norm_reference)
+                         fused_add_rms_norm_reference, rms_norm_backward_reference, rms_norm_gated_backward_reference,
+                         rms_norm_gated_reference, rms_norm_quant_reference, rms_norm_reference)
 
 # The arguments' names of each form's arrays, for messages (the backward's second array is x,
 # or the fused op's residual_out: the array the others must match).
@@ -41,14 +43,16 @@ load_torch_ops = None   # set by the package's __init__: imports _torch_ops, whi
 _compiling = None       # torch.compiler.is_dynamo_compiling once the torch layer is installed
 _torch_forward = None   # the torch layer's forward through the registered ops (tracing; autograd)
 _torch_quant = None     # the same for the quantized forms
+_torch_gated = None     # and for the gated one
 
 
-def install_torch(compiling, forward, quant):
+def install_torch(compiling, forward, quant, gated):
     """Called by the torch layer when it is loaded: calls made while torch.compile traces go to
-    its registered ops (``forward`` and ``quant`` take the arguments of ``forward_call`` /
-    ``quant_call``; ``forward`` also takes ``differentiable=True`` for eager autograd)."""
-    global _compiling, _torch_forward, _torch_quant
-    _torch_forward, _torch_quant = forward, quant
+    its registered ops (``forward``, ``quant`` and ``gated`` take the arguments of
+    ``forward_call``, ``quant_call`` and ``gated_call``; ``forward`` and ``gated`` also take
+    ``differentiable=True`` for eager autograd)."""
+    global _compiling, _torch_forward, _torch_quant, _torch_gated
+    _torch_forward, _torch_quant, _torch_gated = forward, quant, gated
     TorchKind.bind()
     _compiling = compiling
 
@@ -152,15 +156,16 @@ _signatures_get = _interop.SIGNATURES.get
 _launches_get = _cache.launches.get
 
 
-def forward_call(fused, arrays, eps, weight_offset, casting_mode):
+def forward_call(fused, arrays, eps, weight_offset, casting_mode, out_dtype=None):
     """``arrays``: the five in ``Arrays`` order, as a plain tuple (naming them costs a
-    NamedTuple's construction, about 0.3 us, on every call; the full path names them)."""
+    NamedTuple's construction, about 0.3 us, on every call; the full path names them).
+    ``out_dtype``: the output's dtype as given (None: x's)."""
     if _compiling is not None and _compiling():
-        return _torch_forward(fused, arrays, eps, weight_offset, casting_mode)
+        return _torch_forward(fused, arrays, eps, weight_offset, casting_mode, out_dtype)
     if _compiling is None and sys.modules.get("torch") is not None:
         _refuse_unregistered_trace()
-    signature = _signatures_get(type(arrays[0]), _interop.signature)(fused, arrays, eps, weight_offset,
-                                                                      casting_mode)
+    op = fused if out_dtype is None else (fused, out_dtype)     # the signature's op: with out_dtype if given
+    signature = _signatures_get(type(arrays[0]), _interop.signature)(op, arrays, eps, weight_offset, casting_mode)
     last_signature, launch = _cache.last_hit
     try:
         if signature != last_signature:
@@ -173,37 +178,41 @@ def forward_call(fused, arrays, eps, weight_offset, casting_mode):
         result = launch(arrays)
         if result is not None:
             return result
-    return _full_forward(fused, arrays, eps, weight_offset, casting_mode, signature)
+    return _full_forward(fused, arrays, eps, weight_offset, casting_mode, out_dtype, signature)
 
 
-def _full_forward(fused, arrays, eps, weight_offset, casting_mode, signature):
-    """Validate everything, then run (and remember a Launcher for the signature)."""
+def _full_forward(fused, arrays, eps, weight_offset, casting_mode, out_dtype, signature):
+    """Validate everything, then run (and remember a launcher for the signature)."""
     arrays = Arrays._make(arrays)
     if fused and arrays.residual is None:
         raise TypeError("residual must be an array of x's shape and dtype, got None")
     scalars = _validate.check_scalars(eps, weight_offset, casting_mode, arrays.weight is not None)
+    out_dtype = _validate.dtype_name(out_dtype, "out_dtype")
     kind, arrays, cacheable = array_kind(arrays, NAMES)
     if kind is TorchKind and _interop.autograd_records(arrays):   # the registered op runs this path
-        return _torch_forward(fused, arrays, eps, weight_offset, casting_mode, differentiable=True)
+        return _torch_forward(fused, arrays, eps, weight_offset, casting_mode, out_dtype, differentiable=True)
     call = prepare(kind, arrays, NAMES, OUTPUTS, cacheable)
-    _validate.check_arrays(call.metas)
+    residual_dtype, out_dtype = _validate.check_arrays(call.metas, out_dtype)
     arrays, layout = call_layout(call.kind, fused, call.resolved, call.metas, call.copied)
     if call.kind is NumpyKind:
-        return _numpy_forward(arrays, scalars, fused)
-    launcher = Launcher(layout, scalars, call.kind)
+        return _numpy_forward(arrays, scalars, fused, out_dtype)
+    if residual_dtype == layout.dtype and out_dtype == layout.dtype:
+        launcher = Launcher(layout, scalars, call.kind)
+    else:
+        launcher = MixedLauncher(layout, scalars, call.kind, residual_dtype, out_dtype)
     if call.cacheable and not layout.copied:
         _cache.remember(signature, launcher.entry)
     return launcher(arrays, checked=True)
 
 
-def _numpy_forward(arrays, scalars, fused):
+def _numpy_forward(arrays, scalars, fused, out_dtype):
     """The reference on the CPU, stored into the given outputs."""
     x, residual, weight = arrays.x, arrays.residual, arrays.weight
-    mode = scalars.casting_mode
+    args = (scalars.eps, scalars.weight_offset, scalars.casting_mode)
     if fused:
-        y, s = fused_add_rms_norm_reference(x, residual, weight, scalars.eps, scalars.weight_offset, mode)
+        y, s = fused_add_rms_norm_reference(x, residual, weight, *args, out_dtype=out_dtype)
         return _store(arrays[OUT], y), _store(arrays[RESIDUAL_OUT], s)
-    return _store(arrays[OUT], rms_norm_reference(x, weight, scalars.eps, scalars.weight_offset, mode))
+    return _store(arrays[OUT], rms_norm_reference(x, weight, *args, out_dtype=out_dtype))
 
 
 def _store(dest, value):
@@ -243,12 +252,12 @@ def _full_quant(fused, arrays, eps, weight_offset, casting_mode, quant, signatur
     spec = _validate.check_quant(arrays.scale is not None, *quant)
     call = resolve(arrays, QUANT_NAMES, outputs=(OUT, RESIDUAL_OUT, SCALES))
     metas = call.metas
-    _validate.check_quant_arrays(Arrays(*metas[:5]), metas[SCALE], metas[SCALES], spec)
+    residual_dtype = _validate.check_quant_arrays(Arrays(*metas[:5]), metas[SCALE], metas[SCALES], spec)
     arrays, layout = quant_layout(call.kind, fused, call.resolved, metas, spec.form, spec.scales_shape(metas.x.shape),
                                   call.copied)
     if call.kind is NumpyKind:
         return _numpy_quant(arrays, scalars, spec, layout, fused)
-    launcher = QuantLauncher(layout, scalars, call.kind, spec)
+    launcher = QuantLauncher(layout, scalars, call.kind, spec, residual_dtype)
     if call.cacheable and not layout.call.copied:
         _cache.remember(signature, launcher.entry)
     return launcher(arrays, checked=True)
@@ -296,6 +305,12 @@ def backward_call(fused, arrays, eps, weight_offset, casting_mode, weight_grad=T
     scalars = _validate.check_scalars(eps, weight_offset, casting_mode, weight is not None)
     call = resolve(arrays, names, anchor=1)
     _validate.check_backward_arrays(call.metas, names)
+    dy_dtype, x_dtype = call.metas.dy.dtype, call.metas.x.dtype
+    if call.kind is not NumpyKind and dy_dtype != x_dtype:       # mixed precision
+        launcher = MixedBackward(scalars, call.kind, dy_dtype, x_dtype)
+        if call.cacheable:
+            _cache.remember(signature, launcher.__call__)
+        return launcher(call.resolved, weight_grad)
     arrays, layout = backward_layout(call.kind, call.resolved, call.metas)
     if call.kind is NumpyKind:
         return _numpy_backward(fused, arrays, scalars, weight_grad)
@@ -313,3 +328,80 @@ def _numpy_backward(fused, arrays, scalars, weight_grad):
     else:
         dx, dweight = rms_norm_backward_reference(dy, x, weight, *args)
     return dx, (dweight if weight_grad else None)
+
+
+# -- gated RMSNorm ---------------------------------------------------------------------------------
+GATED_NAMES = GatedArrays._fields
+GATED_BACKWARD_NAMES = GatedBackwardArrays._fields
+
+
+def _gated_signature(tag, arrays, eps, weight_offset, casting_mode, gated):
+    """The signature of a gated call: the five-array signature of (x, gate, weight, out) with
+    the gated arguments."""
+    sig = _interop.signature(tag, tuple(arrays) + (None,), eps, weight_offset, casting_mode)
+    return None if sig is None else (sig, gated)
+
+
+def gated_call(arrays, eps, weight_offset, casting_mode, group_size, norm_before_gate, activation, out_dtype):
+    """``arrays``: the four of GatedArrays, as a plain tuple."""
+    gated = (group_size, norm_before_gate, activation, out_dtype)
+    if _compiling is not None and _compiling():
+        return _torch_gated(arrays, eps, weight_offset, casting_mode, *gated)
+    if _compiling is None and sys.modules.get("torch") is not None:
+        _refuse_unregistered_trace()
+    signature = _gated_signature("rms_norm_gated", arrays, eps, weight_offset, casting_mode, gated)
+    launch = _cache.lookup(signature)
+    if launch is not None:
+        result = launch(arrays)
+        if result is not None:
+            return result
+    arrays = GatedArrays._make(arrays)
+    if arrays.gate is None:
+        raise TypeError("gate must be an array of x's shape and dtype, got None")
+    scalars = _validate.check_scalars(eps, weight_offset, casting_mode, arrays.weight is not None)
+    spec = _validate.check_gated(*gated)
+    kind, arrays, cacheable = array_kind(arrays, GATED_NAMES)
+    if kind is TorchKind and _interop.autograd_records(arrays):   # the registered op runs this path
+        return _torch_gated(arrays, eps, weight_offset, casting_mode, *gated, differentiable=True)
+    call = prepare(kind, arrays, GATED_NAMES, (3,), cacheable)
+    out_dtype = _validate.check_gated_arrays(call.metas, spec)
+    arrays, layout = gated_layout(kind, call.resolved, call.metas, spec.group_size, out_dtype, call.copied)
+    if kind is NumpyKind:
+        y = rms_norm_gated_reference(arrays.x, arrays.gate, arrays.weight, scalars.eps, scalars.weight_offset,
+                                     scalars.casting_mode, group_size=spec.group_size,
+                                     norm_before_gate=spec.norm_before_gate, activation=spec.activation,
+                                     out_dtype=out_dtype)
+        return _store(arrays.out, y)
+    launcher = GatedLauncher(layout, scalars, kind, spec)
+    if call.cacheable and not layout.call.copied:
+        _cache.remember(signature, launcher.entry)
+    return launcher(arrays, checked=True)
+
+
+def gated_backward_call(arrays, eps, weight_offset, casting_mode, group_size, norm_before_gate, activation,
+                        weight_grad=True):
+    """``arrays``: a GatedBackwardArrays; (dx, dgate, dweight)."""
+    gated = (group_size, norm_before_gate, activation)
+    dy, x, gate, weight = arrays
+    signature = _gated_signature("rms_norm_gated_backward", (x, gate, weight, dy), eps, weight_offset, casting_mode,
+                                 gated)
+    launch = _cache.lookup(signature)
+    if launch is not None:
+        return launch(arrays, weight_grad)
+    for name, a in (("dy", dy), ("gate", gate)):
+        if a is None:
+            raise TypeError(f"{name} must be an array of x's shape, got None")
+    scalars = _validate.check_scalars(eps, weight_offset, casting_mode, weight is not None)
+    spec = _validate.check_gated(*gated)
+    call = resolve(arrays, GATED_BACKWARD_NAMES, anchor=1)
+    _validate.check_gated_backward_arrays(call.metas, spec)
+    arrays, layout = gated_backward_layout(call.kind, call.resolved, call.metas, spec.group_size)
+    if call.kind is NumpyKind:
+        dx, dgate, dweight = rms_norm_gated_backward_reference(
+            arrays.dy, arrays.x, arrays.gate, arrays.weight, scalars.eps, scalars.weight_offset, scalars.casting_mode,
+            group_size=spec.group_size, norm_before_gate=spec.norm_before_gate, activation=spec.activation)
+        return dx, dgate, (dweight if weight_grad else None)
+    launcher = GatedBackwardLauncher(layout, scalars, call.kind, spec)
+    if call.cacheable and not (call.copied or layout.call.copied):
+        _cache.remember(signature, launcher.__call__)
+    return launcher(arrays, weight_grad)

@@ -2,7 +2,8 @@
 compiled kernels.
 
 Each program is one file of ``kernels/`` (``"forward"``: ``rms_norm.cu``, the plain, fused
-and quantized forward kernels; ``"backward"``: ``rms_norm_backward.cu``), which includes the
+and quantized forward kernels; ``"backward"``: ``rms_norm_backward.cu``; ``"gated"``:
+``rms_norm_gated.cu``, the gated forward and backward), which includes the
 shared device code (``*.cuh``) through NVRTC's include path. Each (storage type, weight type,
 plan, ...) is an instantiation, compiled the first time a call needs it on a device and
 kept in ``kernel_cache`` as a launchable function. CuPy's disk cache keeps the binaries
@@ -23,7 +24,7 @@ import threading
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_bf16.h"
 
-PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu"}
+PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu", "gated": "rms_norm_gated.cu"}
 KERNEL_SUFFIXES = (".cu", ".cuh")
 
 

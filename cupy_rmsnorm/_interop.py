@@ -8,6 +8,7 @@ module name); CuPy is imported lazily too, so NumPy-only code runs without a GPU
 import sys
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 
@@ -101,6 +102,13 @@ class CupyKind(_PlainKind):
         cupy = _cupy()
         with cupy.cuda.Device(a.data.device_id):
             return cupy.ascontiguousarray(a)
+
+    @staticmethod
+    def as_dtype(a, dtype_name):
+        """A contiguous copy of ``a`` in another dtype (on a's device)."""
+        cupy = _cupy()
+        with cupy.cuda.Device(a.data.device_id):
+            return a.astype(np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else dtype_name, order="C")
 
     @staticmethod
     def stream(device):
@@ -201,6 +209,12 @@ class TorchKind:
     @staticmethod
     def contiguous(t):
         return t.contiguous()
+
+    @staticmethod
+    def as_dtype(t, dtype_name):
+        """A contiguous copy of ``t`` in another dtype."""
+        torch = sys.modules["torch"]
+        return t.to(getattr(torch, dtype_name), memory_format=torch.contiguous_format)
 
     @staticmethod
     def stream(device):

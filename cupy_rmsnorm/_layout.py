@@ -58,18 +58,20 @@ class CallLayout(NamedTuple):
         return self.shape[-1]
 
 
-def call_layout(kind, fused, arrays, metas, copied=False):
+def call_layout(kind, fused, arrays, metas, copied=False, meta_of=None):
     """The CallLayout of a validated call, and its arrays (inputs the kernel cannot read
     in place replaced by contiguous copies). ValueError for outputs that cannot be
     written as laid out, or that overlap what they must not. ``copied``: the caller has
-    already replaced an input by a copy."""
+    already replaced an input by a copy. ``meta_of``: the Meta of a copy (``kind.meta``; the
+    gated op sees its groups as rows)."""
     arrays, metas = list(arrays), list(metas)
+    meta_of = meta_of or kind.meta
 
     def copy(k):
         nonlocal copied
         copied = True
         arrays[k] = kind.contiguous(arrays[k])
-        metas[k] = kind.meta(arrays[k])
+        metas[k] = meta_of(arrays[k])
 
     xm = metas[X]
     hidden, itemsize = xm.shape[-1], xm.itemsize
@@ -459,18 +461,19 @@ class BackwardLayout(NamedTuple):
         return self.shape[-1]
 
 
-def backward_layout(kind, arrays, metas):
+def backward_layout(kind, arrays, metas, copied=False, meta_of=None):
     """The BackwardLayout of a validated backward call and its arrays, inputs the kernel
     cannot read in place (a strided last axis, leading axes past two strided levels)
-    replaced by contiguous copies. Nothing is written, so no overlap matters."""
+    replaced by contiguous copies. Nothing is written, so no overlap matters. ``copied`` and
+    ``meta_of`` as in call_layout."""
     arrays, metas = list(arrays), list(metas)
-    copied = False
+    meta_of = meta_of or kind.meta
 
     def copy(k):
         nonlocal copied
         copied = True
         arrays[k] = kind.contiguous(arrays[k])
-        metas[k] = kind.meta(arrays[k])
+        metas[k] = meta_of(arrays[k])
 
     xm = metas[B_X]
     hidden = xm.shape[-1]
@@ -495,3 +498,110 @@ def backward_layout(kind, arrays, metas):
                             wm.dtype if wm else None, wm.itemsize if wm else 0, xm.device,
                             BackwardArrays(*strides), dx_strides, copied)
     return BackwardArrays(*arrays), result
+
+
+# -- gated ---------------------------------------------------------------------------------------
+
+class GatedArrays(NamedTuple):
+    """A gated call's arrays (None where absent)."""
+    x: object
+    gate: object = None
+    weight: object = None
+    out: object = None
+
+
+class GatedBackwardArrays(NamedTuple):
+    """A gated backward call's inputs."""
+    dy: object
+    x: object
+    gate: object = None
+    weight: object = None
+
+
+def grouped(meta, group_size):
+    """``meta`` (an array of x's shape) with its last axis split into (hidden // group_size,
+    group_size): the gated kernels see each group as a row. Unchanged for group_size None."""
+    if meta is None or group_size is None:
+        return meta
+    shape = tuple(meta.shape[:-1]) + (meta.shape[-1] // group_size, group_size)
+    strides = None if meta.strides is None else \
+        tuple(meta.strides[:-1]) + (meta.strides[-1] * group_size, meta.strides[-1])
+    return meta._replace(shape=shape, strides=strides)
+
+
+class GatedLayout(NamedTuple):
+    """A validated gated call but the addresses: ``call`` is the CallLayout of x, the gate (in
+    the residual's place) and out, with each group a row (``groups`` groups a row of the
+    caller's arrays); the weight runs over the whole row."""
+    call: CallLayout
+    groups: int
+    out_dtype: str
+    weight_dtype: Optional[str]
+    weight_itemsize: int
+
+
+def gated_layout(kind, arrays, metas, group_size, out_dtype, copied=False):
+    """The GatedLayout of a validated gated call and its arrays (GatedArrays; inputs the kernel
+    cannot read in place replaced by contiguous copies), as call_layout; out must not share
+    memory with the weight."""
+    x, gate, weight, out = arrays
+    mx, mg, mw, mo = metas
+    hidden = mx.shape[-1]
+    g = group_size or hidden
+
+    def meta_of(a):
+        return grouped(kind.meta(a), group_size)
+
+    inputs = [x, gate]
+    for k, m in enumerate((mx, mg)):          # a strided last axis cannot be grouped in place
+        if not _unit_last(m, hidden):
+            inputs[k] = kind.contiguous(inputs[k])
+            copied = True
+    rows_metas = Arrays(meta_of(inputs[0]), meta_of(inputs[1]), None, grouped(mo, group_size), None)
+    five, call = call_layout(kind, False, Arrays(inputs[0], inputs[1], None, out, None), rows_metas, copied,
+                             meta_of)
+    if mw is not None and call.rows and OUT in call.given_outputs:
+        lo, hi = call.extents[OUT]
+        span = (mo.ptr, call.row_strides[OUT], (mo.ptr + lo, mo.ptr + hi), mo.itemsize)
+        if hidden == g:
+            found = _weight_overlap(span, mw, call)
+        else:       # the weight runs over several groups' rows: its extent against out's
+            found = "maybe" if mo.ptr + lo < mw.ptr + hidden * mw.itemsize and mw.ptr < mo.ptr + hi else None
+        if found:
+            raise ValueError("out overlaps weight; weight is read by every row" + _MAYBE.get(found, ""))
+    layout = GatedLayout(call, hidden // g, out_dtype, mw.dtype if mw else None, mw.itemsize if mw else 0)
+    return GatedArrays(five.x, five.residual, weight, five.out), layout
+
+
+class GatedBackwardLayout(NamedTuple):
+    """A validated gated backward call but the addresses: ``call`` the BackwardLayout of dy, x
+    and the gate (in d_residual_out's place), each group a row; dx and the gate's gradient
+    are fresh and contiguous (``call.dx_strides``)."""
+    call: BackwardLayout
+    groups: int
+    dy_dtype: str
+    weight_dtype: Optional[str]
+    weight_itemsize: int
+
+
+def gated_backward_layout(kind, arrays, metas, group_size):
+    """The GatedBackwardLayout of a validated gated backward call and its arrays
+    (GatedBackwardArrays), inputs the kernel cannot read in place replaced by copies."""
+    dy, x, gate, weight = arrays
+    mdy, mx, mg, mw = metas
+    hidden = mx.shape[-1]
+    copied = False
+    inputs = [dy, x, gate]
+    for k, m in enumerate((mdy, mx, mg)):     # a strided last axis cannot be grouped in place
+        if not _unit_last(m, hidden):
+            inputs[k] = kind.contiguous(inputs[k])
+            copied = True
+
+    def meta_of(a):
+        return grouped(kind.meta(a), group_size)
+
+    four, call = backward_layout(kind, BackwardArrays(*inputs, None), [meta_of(a) for a in inputs] + [None], copied,
+                                 meta_of)
+    layout = GatedBackwardLayout(call, hidden // (group_size or hidden), mdy.dtype, mw.dtype if mw else None,
+                                 mw.itemsize if mw else 0)
+    return GatedBackwardArrays(four.dy, four.x, four.d_residual_out, weight), layout

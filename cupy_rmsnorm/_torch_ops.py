@@ -50,27 +50,35 @@ from typing import Optional
 import torch
 
 from . import _call, _interop
-from ._layout import Arrays, BackwardArrays, new_scales
-from ._validate import check_arrays, check_backward_arrays, check_quant, check_quant_arrays, check_scalars
+from ._layout import Arrays, BackwardArrays, GatedBackwardArrays, new_scales
+from ._validate import (check_arrays, check_backward_arrays, check_gated, check_gated_arrays, check_gated_backward_arrays,
+                        check_quant, check_quant_arrays, check_scalars, dtype_name)
 
 Tensor = torch.Tensor
 
 
-def _direct(fused, x, residual, weight, out, residual_out, eps, weight_offset, casting_mode):
+def _direct(fused, x, residual, weight, out, residual_out, eps, weight_offset, casting_mode, out_dtype=None):
     # the library's eager path: not tracing when the op itself runs, so _call goes direct
-    return _call.forward_call(fused, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode)
+    return _call.forward_call(fused, (x, residual, weight, out, residual_out), eps, weight_offset, casting_mode,
+                              out_dtype)
+
+
+def _dtype_arg(out_dtype):
+    """A torch dtype (or None) as the call flow's dtype name."""
+    return None if out_dtype is None else str(out_dtype).replace("torch.", "")
 
 
 @torch.library.custom_op("cupy_rmsnorm::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
-             casting_mode: str) -> Tensor:
-    return _direct(False, x, None, weight, None, None, eps, weight_offset, casting_mode)
+             casting_mode: str, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    return _direct(False, x, None, weight, None, None, eps, weight_offset, casting_mode, _dtype_arg(out_dtype))
 
 
 @torch.library.custom_op("cupy_rmsnorm::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
-                       weight_offset: float, casting_mode: str) -> tuple[Tensor, Tensor]:
-    return _direct(True, x, residual, weight, None, None, eps, weight_offset, casting_mode)
+                       weight_offset: float, casting_mode: str,
+                       out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    return _direct(True, x, residual, weight, None, None, eps, weight_offset, casting_mode, _dtype_arg(out_dtype))
 
 
 @torch.library.custom_op("cupy_rmsnorm::fused_add_rms_norm_inplace", mutates_args=("x", "residual"))
@@ -86,22 +94,25 @@ def _fake_meta(t):
     return _interop.Meta(0, tuple(t.shape), tuple(t.stride()), name, t.element_size(), 0)
 
 
-def _check_fake(x, residual, weight):
-    """The shape and dtype checks of the real path, on fake tensors (no addresses)."""
-    check_arrays(Arrays(_fake_meta(x), _fake_meta(residual), _fake_meta(weight)))
+def _check_fake(x, residual, weight, out_dtype=None):
+    """The shape and dtype checks of the real path, on fake tensors (no addresses): the
+    (residual, output) torch dtypes."""
+    residual_dtype, out_dtype = check_arrays(Arrays(_fake_meta(x), _fake_meta(residual), _fake_meta(weight)),
+                                             _dtype_arg(out_dtype))
+    return getattr(torch, residual_dtype), getattr(torch, out_dtype)
 
 
 @rms_norm.register_fake
-def _(x, weight, eps, weight_offset, casting_mode):
-    _check_fake(x, None, weight)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _(x, weight, eps, weight_offset, casting_mode, out_dtype=None):
+    _, out_dtype = _check_fake(x, None, weight, out_dtype)
+    return torch.empty(x.shape, dtype=out_dtype, device=x.device)
 
 
 @fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps, weight_offset, casting_mode):
-    _check_fake(x, residual, weight)
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(x, memory_format=torch.contiguous_format))
+def _(x, residual, weight, eps, weight_offset, casting_mode, out_dtype=None):
+    residual_dtype, out_dtype = _check_fake(x, residual, weight, out_dtype)
+    return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
+            torch.empty(x.shape, dtype=residual_dtype, device=x.device))
 
 
 @fused_add_rms_norm_inplace.register_fake
@@ -243,7 +254,7 @@ def _(dy, d_residual_out, residual_out, weight, eps, weight_offset, casting_mode
 
 
 def _setup_rms_norm(ctx, inputs, output):
-    x, weight, eps, weight_offset, casting_mode = inputs
+    x, weight, eps, weight_offset, casting_mode = inputs[:5]
     ctx.save_for_backward(x, weight)
     ctx.scalars = (eps, weight_offset, casting_mode)
 
@@ -252,13 +263,14 @@ def _rms_norm_grad(ctx, dy, backward=rms_norm_backward):
     x, weight = ctx.saved_tensors
     weight_grad = weight is not None and ctx.needs_input_grad[1]
     dx, dweight = backward(dy, x, weight, *ctx.scalars, weight_grad)
-    return (dx if ctx.needs_input_grad[0] else None), (dweight if weight_grad else None), None, None, None
+    return (dx if ctx.needs_input_grad[0] else None), (dweight if weight_grad else None), None, None, None, None
 
 
 def _setup_fused(ctx, inputs, output):
-    x, residual, weight, eps, weight_offset, casting_mode = inputs
+    x, residual, weight, eps, weight_offset, casting_mode = inputs[:6]
     ctx.save_for_backward(output[1], weight)      # residual_out: what was normalized
     ctx.scalars = (eps, weight_offset, casting_mode)
+    ctx.x_dtype = x.dtype                         # a float32 residual stream: x's gradient in x's dtype
 
 
 def _fused_grad(ctx, dy, d_residual_out, backward=fused_add_rms_norm_backward):
@@ -267,9 +279,10 @@ def _fused_grad(ctx, dy, d_residual_out, backward=fused_add_rms_norm_backward):
         dy = torch.zeros_like(residual_out)
     weight_grad = weight is not None and ctx.needs_input_grad[2]
     d_input, dweight = backward(dy, d_residual_out, residual_out, weight, *ctx.scalars, weight_grad)
-    # one tensor: the gradient of x + residual reaches both unchanged
-    return ((d_input if ctx.needs_input_grad[0] else None), (d_input if ctx.needs_input_grad[1] else None),
-            (dweight if weight_grad else None), None, None, None)
+    # one tensor: the gradient of x + residual reaches both unchanged (x's in x's dtype)
+    dx = d_input if d_input.dtype == ctx.x_dtype or not ctx.needs_input_grad[0] else d_input.to(ctx.x_dtype)
+    return ((dx if ctx.needs_input_grad[0] else None), (d_input if ctx.needs_input_grad[1] else None),
+            (dweight if weight_grad else None), None, None, None, None)
 
 
 torch.library.register_autograd("cupy_rmsnorm::rms_norm", _rms_norm_grad, setup_context=_setup_rms_norm)
@@ -293,8 +306,8 @@ def _eager_fused_backward(dy, d_residual_out, residual_out, weight, eps, weight_
 
 class _EagerRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(x, weight, eps, weight_offset, casting_mode):
-        return _direct(False, x, None, weight, None, None, eps, weight_offset, casting_mode)
+    def forward(x, weight, eps, weight_offset, casting_mode, out_dtype):
+        return _direct(False, x, None, weight, None, None, eps, weight_offset, casting_mode, _dtype_arg(out_dtype))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -307,8 +320,8 @@ class _EagerRMSNorm(torch.autograd.Function):
 
 class _EagerFusedAddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(x, residual, weight, eps, weight_offset, casting_mode):
-        return _direct(True, x, residual, weight, None, None, eps, weight_offset, casting_mode)
+    def forward(x, residual, weight, eps, weight_offset, casting_mode, out_dtype):
+        return _direct(True, x, residual, weight, None, None, eps, weight_offset, casting_mode, _dtype_arg(out_dtype))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -319,7 +332,7 @@ class _EagerFusedAddRMSNorm(torch.autograd.Function):
         return _fused_grad(ctx, dy, d_residual_out, _eager_fused_backward)
 
 
-def call(fused, arrays, eps, weight_offset, casting_mode, differentiable=False):
+def call(fused, arrays, eps, weight_offset, casting_mode, out_dtype=None, differentiable=False):
     """A public call through the registered ops, with any given outputs filled by a copy
     (the in-place fused form, ``out=x, residual_out=residual``, is its own op): while
     torch.compile traces, and (``differentiable``) in eager mode when autograd must record
@@ -328,23 +341,117 @@ def call(fused, arrays, eps, weight_offset, casting_mode, differentiable=False):
     if fused and residual is None:
         raise TypeError("residual must be an array of x's shape and dtype, got None")
     scalars = check_scalars(eps, weight_offset, casting_mode, weight is not None)
+    out_dtype = dtype_name(out_dtype, "out_dtype")
     args = (weight, scalars.eps, scalars.weight_offset, scalars.casting_mode)
+    typed = args + (None if out_dtype is None else getattr(torch, out_dtype),)
     # (CUDA tensors: a device with its own kernels registered for the ops keeps them)
     eager = differentiable and x.is_cuda and not _is_compiling()
     if not fused:
-        y = _EagerRMSNorm.apply(x, *args) if eager else rms_norm(x, *args)
+        y = _EagerRMSNorm.apply(x, *typed) if eager else rms_norm(x, *typed)
         return y if out is None else out.copy_(y)
-    if out is x and residual_out is residual:
+    if out is x and residual_out is residual and out_dtype in (None, _dtype_arg(x.dtype)):
         if differentiable:
             raise RuntimeError("fused_add_rms_norm in place (out=x, residual_out=residual) is forward-only, "
                                "and a tensor of this call requires grad: call it without out= / "
                                "residual_out= to train, or under torch.no_grad()")
         fused_add_rms_norm_inplace(x, residual, *args)
         return x, residual
-    y, s = _EagerFusedAddRMSNorm.apply(x, residual, *args) if eager else fused_add_rms_norm(x, residual, *args)
+    y, s = _EagerFusedAddRMSNorm.apply(x, residual, *typed) if eager else fused_add_rms_norm(x, residual, *typed)
     return (y if out is None else out.copy_(y)), (s if residual_out is None else residual_out.copy_(s))
+
+
+# -- gated ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("cupy_rmsnorm::rms_norm_gated", mutates_args=())
+def rms_norm_gated(x: Tensor, gate: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
+                   casting_mode: str, group_size: Optional[int], norm_before_gate: bool, activation: str,
+                   out_dtype: Optional[torch.dtype]) -> Tensor:
+    return _call.gated_call((x, gate, weight, None), eps, weight_offset, casting_mode, group_size, norm_before_gate,
+                            activation, _dtype_arg(out_dtype))
+
+
+@rms_norm_gated.register_fake
+def _(x, gate, weight, eps, weight_offset, casting_mode, group_size, norm_before_gate, activation, out_dtype):
+    spec = check_gated(group_size, norm_before_gate, activation, _dtype_arg(out_dtype))
+    check_gated_arrays((_fake_meta(x), _fake_meta(gate), _fake_meta(weight), None), spec)
+    return torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+
+
+@torch.library.custom_op("cupy_rmsnorm::rms_norm_gated_backward", mutates_args=())
+def rms_norm_gated_backward(dy: Tensor, x: Tensor, gate: Tensor, weight: Optional[Tensor], eps: float,
+                            weight_offset: float, casting_mode: str, group_size: Optional[int], norm_before_gate: bool,
+                            activation: str, weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dgate, dweight = _eager_gated_backward(dy, x, gate, weight, eps, weight_offset, casting_mode, group_size,
+                                               norm_before_gate, activation, weight_grad)
+    return dx, dgate, (_no_weight_grad(x) if dweight is None else dweight)
+
+
+@rms_norm_gated_backward.register_fake
+def _(dy, x, gate, weight, eps, weight_offset, casting_mode, group_size, norm_before_gate, activation, weight_grad):
+    spec = check_gated(group_size, norm_before_gate, activation)
+    check_gated_backward_arrays((_fake_meta(dy), _fake_meta(x), _fake_meta(gate), _fake_meta(weight)), spec)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dgate = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if weight is None or not weight_grad:
+        return dx, dgate, _no_weight_grad(x)
+    return dx, dgate, torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+def _eager_gated_backward(dy, x, gate, weight, eps, weight_offset, casting_mode, group_size, norm_before_gate,
+                          activation, weight_grad):
+    return _call.gated_backward_call(GatedBackwardArrays(dy, x, gate, weight), eps, weight_offset, casting_mode,
+                                     group_size, norm_before_gate, activation, weight_grad)
+
+
+def _setup_gated(ctx, inputs, output):
+    x, gate, weight = inputs[:3]
+    ctx.save_for_backward(x, gate, weight)
+    ctx.scalars = inputs[3:9]         # eps, weight_offset, casting_mode, group_size, norm_before_gate, activation
+
+
+def _gated_grad(ctx, dy, backward=rms_norm_gated_backward):
+    x, gate, weight = ctx.saved_tensors
+    weight_grad = weight is not None and ctx.needs_input_grad[2]
+    dx, dgate, dweight = backward(dy, x, gate, weight, *ctx.scalars, weight_grad)
+    return ((dx if ctx.needs_input_grad[0] else None), (dgate if ctx.needs_input_grad[1] else None),
+            (dweight if weight_grad else None)) + (None,) * 7
+
+
+torch.library.register_autograd("cupy_rmsnorm::rms_norm_gated", _gated_grad, setup_context=_setup_gated)
+
+
+class _EagerGated(torch.autograd.Function):
+    @staticmethod
+    def forward(x, gate, weight, eps, weight_offset, casting_mode, group_size, norm_before_gate, activation,
+                out_dtype):
+        return _call.gated_call((x, gate, weight, None), eps, weight_offset, casting_mode, group_size,
+                                norm_before_gate, activation, _dtype_arg(out_dtype))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_gated(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gated_grad(ctx, dy, _eager_gated_backward)
+
+
+def call_gated(arrays, eps, weight_offset, casting_mode, group_size, norm_before_gate, activation, out_dtype,
+               differentiable=False):
+    """A public gated call through the registered op (while torch.compile traces, and in eager
+    mode when autograd must record it), a given out filled by a copy."""
+    x, gate, weight, out = arrays
+    if gate is None:
+        raise TypeError("gate must be an array of x's shape and dtype, got None")
+    scalars = check_scalars(eps, weight_offset, casting_mode, weight is not None)
+    spec = check_gated(group_size, norm_before_gate, activation, out_dtype)
+    args = (weight, scalars.eps, scalars.weight_offset, scalars.casting_mode, spec.group_size, spec.norm_before_gate,
+            spec.activation, None if spec.out_dtype is None else getattr(torch, spec.out_dtype))
+    eager = differentiable and x.is_cuda and not _is_compiling()
+    y = _EagerGated.apply(x, gate, *args) if eager else rms_norm_gated(x, gate, *args)
+    return y if out is None else out.copy_(y)
 
 
 # is_dynamo_compiling: a plain `return False` in eager (cheaper than is_compiling)
 _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
-_call.install_torch(_is_compiling, call, call_quant)
+_call.install_torch(_is_compiling, call, call_quant, call_gated)

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from ._abi import ACTIVATIONS
 from ._layout import OUT, OUTPUTS, RESIDUAL, RESIDUAL_OUT, ROWS, WEIGHT, X, Arrays
 from ._reference import CASTING_MODES, GROUP_SIZES, QUANT_DTYPES
 
@@ -57,15 +58,32 @@ def check_scalars(eps, weight_offset, casting_mode, has_weight):
     return Scalars(eps_f, off, casting_mode == "llama")
 
 
-def check_arrays(metas):
-    """dtype, shape and device checks; ``metas``: an Arrays of Meta records (None where absent)."""
+def check_arrays(metas, out_dtype=None):
+    """dtype, shape and device checks; ``metas``: an Arrays of Meta records (None where absent);
+    ``out_dtype``: the output's dtype name (None: x's). Mixed precision: the residual (and
+    residual_out) may be float32 with any x (a float32 residual stream), out has out_dtype,
+    the weight any float dtype. Returns (residual dtype, output dtype) names."""
     names = Arrays._fields
-    _check_like_x(metas[X], [(names[k], metas[k]) for k in ROWS[1:]], metas[WEIGHT], "x",
-                  list(zip(names[1:], metas[1:])))
+    xm = metas[X]
+    rm = metas[RESIDUAL]
+    residual_dtype = rm.dtype if rm is not None and rm.dtype == "float32" else xm.dtype
+    out_dtype = out_dtype or xm.dtype
+    _check_like_x(xm, [], metas[WEIGHT], "x", list(zip(names[1:], metas[1:])), weight_dtypes=DTYPES)
+    for k, dtype, rule in ((RESIDUAL, residual_dtype, "x's dtype or float32"),
+                           (RESIDUAL_OUT, residual_dtype, "the residual's dtype"),
+                           (OUT, out_dtype, "out_dtype, or x's dtype")):
+        m = metas[k]
+        if m is None:
+            continue
+        if m.dtype != dtype:
+            raise TypeError(f"{names[k]} must have dtype {dtype} ({rule}), got {m.dtype}")
+        if tuple(m.shape) != tuple(xm.shape):
+            raise ValueError(f"{names[k]} must have x's shape {tuple(xm.shape)}, got {tuple(m.shape)}")
     for k in OUTPUTS:
         if metas[k] is not None and not metas[k].writeable:
             raise ValueError(f"{names[k]} is read-only (for a torch inference tensor: writeable only "
                              f"inside torch.inference_mode()); pass a writeable {names[k]}")
+    return residual_dtype, out_dtype
 
 
 def check_backward_arrays(metas, names):
@@ -73,13 +91,19 @@ def check_backward_arrays(metas, names):
     ``names`` its arguments' names (the second, x's place, is the array the others follow)."""
     dy, x, d_residual_out, weight = metas
     anchor = names[1]
-    _check_like_x(x, [(names[0], dy), (names[2], d_residual_out)], weight, anchor,
-                  [(names[0], dy), (names[2], d_residual_out), (names[3], weight)])
+    _check_like_x(x, [(names[2], d_residual_out)], weight, anchor,
+                  [(names[0], dy), (names[2], d_residual_out), (names[3], weight)], weight_dtypes=DTYPES)
+    if dy is not None:      # the forward's output: any float dtype (out_dtype)
+        if dy.dtype not in DTYPES:
+            raise TypeError(f"{names[0]} must be float32, float16 or bfloat16, got {dy.dtype}")
+        if tuple(dy.shape) != tuple(x.shape):
+            raise ValueError(f"{names[0]} must have {anchor}'s shape {tuple(x.shape)}, got {tuple(dy.shape)}")
 
 
-def _check_like_x(xm, rows, wm, anchor, on_device):
+def _check_like_x(xm, rows, wm, anchor, on_device, weight_dtypes=None):
     """x (called ``anchor``) a float array with a hidden size; ``rows`` (name, Meta) pairs of
-    x's shape and dtype; the weight; every array of ``on_device`` on x's device."""
+    x's shape and dtype; the weight (``weight_dtypes``: the dtypes it may have, default x's
+    and float32); every array of ``on_device`` on x's device."""
     if xm.dtype not in DTYPES:
         raise TypeError(f"{anchor} must be float32, float16 or bfloat16, got {xm.dtype}")
     if len(xm.shape) < 1:
@@ -99,7 +123,9 @@ def _check_like_x(xm, rows, wm, anchor, on_device):
         if len(wm.shape) != 1 or wm.shape[0] != xm.shape[-1]:
             raise ValueError(f"weight must have shape ({xm.shape[-1]},) ({anchor}'s last axis), "
                              f"got {tuple(wm.shape)}")
-        if wm.dtype not in (xm.dtype, "float32"):
+        if wm.dtype not in (weight_dtypes or (xm.dtype, "float32")):
+            if weight_dtypes:
+                raise TypeError(f"weight must be float32, float16 or bfloat16, got {wm.dtype}")
             raise TypeError(f"weight must have {anchor}'s dtype {xm.dtype} or float32, got {wm.dtype}")
     for name, m in on_device:
         if m is not None and m.device != xm.device:
@@ -168,10 +194,18 @@ def q_dtype_names(quant_dtype):
 def check_quant_arrays(metas, scale, scales, spec, names=Arrays._fields):
     """The checks of check_arrays for a quantized call: ``metas`` an Arrays of Meta records whose
     out is q (the quantized output), ``scale`` / ``scales`` the Meta of the static scale and of
-    a given scales_out (None where absent)."""
+    a given scales_out (None where absent). Returns the residual's dtype name."""
     xm = metas[X]
-    _check_like_x(xm, [(names[k], metas[k]) for k in (RESIDUAL, RESIDUAL_OUT)], metas[WEIGHT], "x",
-                  list(zip(names[1:], metas[1:])) + [("scale", scale), ("scales_out", scales)])
+    rm = metas[RESIDUAL]
+    residual_dtype = rm.dtype if rm is not None and rm.dtype == "float32" else xm.dtype
+    _check_like_x(xm, [], metas[WEIGHT], "x", list(zip(names[1:], metas[1:])) + [("scale", scale), ("scales_out", scales)],
+                  weight_dtypes=DTYPES)
+    for k, rule in ((RESIDUAL, "x's dtype or float32"), (RESIDUAL_OUT, "the residual's dtype")):
+        m = metas[k]
+        if m is not None and m.dtype != residual_dtype:
+            raise TypeError(f"{names[k]} must have dtype {residual_dtype} ({rule}), got {m.dtype}")
+        if m is not None and tuple(m.shape) != tuple(xm.shape):
+            raise ValueError(f"{names[k]} must have x's shape {tuple(xm.shape)}, got {tuple(m.shape)}")
     qm = metas[OUT]
     if qm is not None:
         allowed = q_dtype_names(spec.quant_dtype)
@@ -203,3 +237,91 @@ def check_quant_arrays(metas, scale, scales, spec, names=Arrays._fields):
         if m is not None and not m.writeable:
             raise ValueError(f"{name} is read-only (for a torch inference tensor: writeable only "
                              f"inside torch.inference_mode()); pass a writeable {name}")
+    return residual_dtype
+
+
+# -- dtypes given by name ---------------------------------------------------------------------------
+
+def dtype_name(dtype, arg):
+    """The name of a float dtype given as a string, a NumPy / ml_dtypes dtype or type, or a
+    torch dtype; None for None. TypeError for anything else."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in DTYPES:
+        raise TypeError(f"{arg} must be float32, float16 or bfloat16 (or None), got {dtype!r}")
+    return name
+
+
+# -- gated ------------------------------------------------------------------------------------------
+
+class GatedSpec(NamedTuple):
+    """A gated call's checked arguments (out_dtype: the output's dtype name, or None for x's)."""
+    group_size: Optional[int]
+    norm_before_gate: bool
+    activation: str
+    out_dtype: Optional[str]
+
+
+def check_gated(group_size, norm_before_gate, activation, out_dtype=None):
+    """The GatedSpec of a call's gated arguments, or TypeError / ValueError."""
+    if group_size is not None:
+        if isinstance(group_size, (bool, np.bool_)) or not hasattr(group_size, "__index__"):
+            raise TypeError(f"group_size must be an int or None, got {type(group_size).__name__}")
+        group_size = int(group_size)
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1 (or None for the whole row), got {group_size}")
+    if not isinstance(norm_before_gate, (bool, np.bool_)):
+        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    return GatedSpec(group_size, bool(norm_before_gate), activation, dtype_name(out_dtype, "out_dtype"))
+
+
+def check_gated_arrays(metas, spec, names=("x", "gate", "weight", "out")):
+    """dtype, shape and device checks of a gated call (``metas``: the GatedArrays' Meta
+    records, None where absent). Returns the output's dtype name."""
+    xm, gm, wm, om = metas
+    anchor = names[0]
+    _check_like_x(xm, [(names[1], gm)], None, anchor, list(zip(names[1:], metas[1:])))
+    hidden = xm.shape[-1]
+    if spec.group_size is not None and hidden % spec.group_size:
+        raise ValueError(f"group_size={spec.group_size} needs a hidden size that is a multiple of it; "
+                         f"{anchor} has hidden size {hidden}")
+    if wm is not None:
+        if len(wm.shape) != 1 or wm.shape[0] != hidden:
+            raise ValueError(f"weight must have shape ({hidden},) ({anchor}'s last axis), got {tuple(wm.shape)}")
+        if wm.dtype not in DTYPES:
+            raise TypeError(f"weight must be float32, float16 or bfloat16, got {wm.dtype}")
+    out_dtype = spec.out_dtype or xm.dtype
+    if om is not None:
+        if om.dtype != out_dtype:
+            raise TypeError(f"{names[3]} must have dtype {out_dtype} (out_dtype, or x's dtype), got {om.dtype}")
+        if tuple(om.shape) != tuple(xm.shape):
+            raise ValueError(f"{names[3]} must have {anchor}'s shape {tuple(xm.shape)}, got {tuple(om.shape)}")
+        if not om.writeable:
+            raise ValueError(f"{names[3]} is read-only (for a torch inference tensor: writeable only "
+                             f"inside torch.inference_mode()); pass a writeable {names[3]}")
+    return out_dtype
+
+
+def check_gated_backward_arrays(metas, spec, names=("dy", "x", "gate", "weight")):
+    """The gated backward's checks: dy of x's shape (any float dtype: the forward's output),
+    the gate and weight as in check_gated_arrays."""
+    dym, xm, gm, wm = metas
+    check_gated_arrays((xm, gm, wm, None), spec, (names[1], names[2], names[3], "out"))
+    if dym.dtype not in DTYPES:
+        raise TypeError(f"{names[0]} must be float32, float16 or bfloat16, got {dym.dtype}")
+    if tuple(dym.shape) != tuple(xm.shape):
+        raise ValueError(f"{names[0]} must have {names[1]}'s shape {tuple(xm.shape)}, got {tuple(dym.shape)}")
+    if dym.device != xm.device:
+        raise ValueError(f"{names[0]} is on device {dym.device} but {names[1]} is on device {xm.device}; "
+                         f"all arrays must be on one device")

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from . import _torch_ops  # noqa: F401 - registers the torch ops
-from ._api import fused_add_rms_norm, rms_norm
-from ._validate import check_scalars
+from ._api import fused_add_rms_norm, rms_norm, rms_norm_gated
+from ._validate import check_gated, check_scalars
 
-__all__ = ["RMSNorm", "FusedAddRMSNorm", "patch_hf_rmsnorm"]
+__all__ = ["RMSNorm", "FusedAddRMSNorm", "RMSNormGated", "patch_hf_rmsnorm"]
 
 
 class _NormBase(nn.Module):
@@ -86,6 +86,42 @@ class RMSNorm(_NormBase):
                                   casting_mode=self.casting_mode)
 
 
+class RMSNormGated(_NormBase):
+    """Gated RMSNorm over the last axis (Gated DeltaNet, Mamba2, Nemotron-H):
+    ``forward(x, gate)`` is ``rms_norm_gated(x, gate, weight, ...)``:
+    ``rmsnorm(x) * (weight + weight_offset) * act(gate)`` (``norm_before_gate=True``) or
+    ``rmsnorm(x * act(gate)) * (weight + weight_offset)``, each group of ``group_size``
+    channels normalized on its own.
+
+    Args:
+        hidden_size, eps, weight_offset, casting_mode, dtype, device: as in ``RMSNorm``
+            (``"llama"`` reproduces Hugging Face's gated modules' roundings).
+        group_size: channels normalized together (None: the whole row).
+        norm_before_gate: see above.
+        activation: ``"silu"`` or ``"sigmoid"``.
+
+    Trainable: gradients of x, the gate and the weight (the library's backward kernels).
+    """
+
+    def __init__(self, hidden_size, eps=1e-6, *, group_size=None, norm_before_gate=True, activation="silu",
+                 weight_offset=0.0, casting_mode="fp32", dtype=None, device=None):
+        super().__init__(hidden_size, eps, weight_offset=weight_offset, casting_mode=casting_mode, dtype=dtype,
+                         device=device)
+        spec = check_gated(group_size, norm_before_gate, activation)
+        if spec.group_size is not None and self.hidden_size % spec.group_size:
+            raise ValueError(f"group_size={spec.group_size} must divide hidden_size={self.hidden_size}")
+        self.group_size, self.norm_before_gate, self.activation = spec.group_size, spec.norm_before_gate, spec.activation
+
+    def forward(self, x, gate):
+        return rms_norm_gated(x, gate, self.weight, self.eps, group_size=self.group_size,
+                              norm_before_gate=self.norm_before_gate, activation=self.activation,
+                              weight_offset=self.weight_offset, casting_mode=self.casting_mode)
+
+    def extra_repr(self):
+        return (super().extra_repr() + f", group_size={self.group_size}, norm_before_gate={self.norm_before_gate}, "
+                f"activation={self.activation!r}")
+
+
 class FusedAddRMSNorm(_NormBase):
     """Residual add then RMSNorm in one kernel: ``s = x + residual; (rms_norm(s), s)``.
 
@@ -126,21 +162,32 @@ def _eps_of(module):
 
 
 def _candidates(model):
-    """(name, module, weight, eps) of every HF-style RMSNorm not yet replaced."""
+    """(name, module, weight, eps, gated) of every HF-style RMSNorm (class name ending in
+    ``RMSNorm``) and gated RMSNorm (``RMSNormGated``) not yet replaced."""
     found = []
     for name, module in model.named_modules():
-        if not name or isinstance(module, _NormBase) or not type(module).__name__.endswith("RMSNorm"):
+        kind = type(module).__name__
+        gated = kind.endswith("RMSNormGated")
+        if not name or isinstance(module, _NormBase) or not (gated or kind.endswith("RMSNorm")):
             continue
         weight = module._parameters.get("weight")
         eps = _eps_of(module)
         if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
-            found.append((name, module, weight, eps))
+            found.append((name, module, weight, eps, gated))
     return found
 
 
+def _group_size_of(module, hidden):
+    """A gated module's ``group_size`` attribute when it splits the row, else None."""
+    g = getattr(module, "group_size", None)
+    return int(g) if isinstance(g, int) and 0 < g < hidden and hidden % g == 0 else None
+
+
 @torch.no_grad()
-def _matching_numerics(module, weight, eps):
-    """Which (casting_mode, weight_offset) reproduces ``module`` on a probe input, or None.
+def _matching_numerics(module, weight, eps, gated):
+    """The keyword arguments of this library's module that reproduce ``module`` on a probe
+    input (casting_mode and weight_offset; for a gated module also norm_before_gate, and its
+    group_size and activation as it states them), or None.
 
     Runs the original forward and each candidate on the same random rows (a private
     generator: the caller's random state is left alone); among the candidates within
@@ -150,28 +197,40 @@ def _matching_numerics(module, weight, eps):
     if tol is None:
         return None
     gen = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(_PROBE_ROWS, weight.shape[0], generator=gen, device=weight.device,
-                    dtype=torch.float32).to(weight.dtype)
-    try:
-        expected = module.forward(x)   # forward itself: hooks on the module stay quiet
-    except Exception:  # noqa: BLE001 - a forward that needs more than x is not ours to replace
+    hidden = weight.shape[0]
+    x, gate = (torch.randn(_PROBE_ROWS, hidden, generator=gen, device=weight.device, dtype=torch.float32
+                           ).to(weight.dtype) for _ in range(2))
+    try:   # forward itself: hooks on the module stay quiet
+        expected = module.forward(x, gate) if gated else module.forward(x)
+    except Exception:  # noqa: BLE001 - a forward that needs other arguments is not ours to replace
         return None
     if not isinstance(expected, torch.Tensor) or expected.shape != x.shape:
         return None
     expected = expected.float()
+    candidates = [dict(casting_mode=mode, weight_offset=offset) for mode, offset in _CANDIDATES]
+    if gated:
+        activation = getattr(module, "activation", "silu")
+        activation = {"swish": "silu"}.get(activation, activation)
+        if activation not in ("silu", "sigmoid"):
+            return None
+        fixed = dict(group_size=_group_size_of(module, hidden), activation=activation)
+        candidates = [dict(c, norm_before_gate=order, **fixed) for order in (True, False) for c in candidates]
     best = None
-    for mode, offset in _CANDIDATES:
-        got = rms_norm(x, weight, eps, weight_offset=offset, casting_mode=mode).float()
+    for kwargs in candidates:
+        if gated:
+            got = rms_norm_gated(x, gate, weight, eps, **kwargs).float()
+        else:
+            got = rms_norm(x, weight, eps, **kwargs).float()
         if not torch.allclose(got, expected, rtol=tol, atol=tol):
             continue
         exact = int((got == expected).sum())
         if best is None or exact > best[0]:
-            best = (exact, mode, offset)
-    return None if best is None else best[1:]
+            best = (exact, kwargs)
+    return None if best is None else best[1]
 
 
 def _require_cuda(found):
-    for name, _, weight, _ in found:
+    for name, _, weight, _, _ in found:
         if weight.device.type != "cuda":
             raise ValueError(f"patch_hf_rmsnorm: {name} is on {weight.device}; cupy_rmsnorm runs on "
                              f"CUDA tensors only, so move the model first (model.cuda())")
@@ -278,17 +337,20 @@ def _fuse_residuals(model):
 
 
 def patch_hf_rmsnorm(model, fuse_residual=False):
-    """Swap the RMSNorm modules of a transformers model for this library's ``RMSNorm``.
+    """Swap the RMSNorm modules of a transformers model for this library's ``RMSNorm``, and its
+    gated RMSNorm modules for ``RMSNormGated``.
 
     A module is a candidate when its class name ends in ``RMSNorm`` (LlamaRMSNorm,
-    Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm, GemmaRMSNorm, ...) and it has a 1-D
-    ``weight`` parameter and a ``variance_epsilon`` or ``eps`` number. Each candidate
+    Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm, GemmaRMSNorm, ...) or ``RMSNormGated``
+    (Qwen3NextRMSNormGated, MambaRMSNormGated, NemotronHRMSNormGated, ...: ``forward(x,
+    gate)``, a ``group_size`` and an ``activation`` attribute taken as they are) and it has a
+    1-D ``weight`` parameter and a ``variance_epsilon`` or ``eps`` number. Each candidate
     is run once on a small random input and replaced only by the numerics that
     reproduce it: ``casting_mode="llama"`` for Llama-style forwards (they round to the
     input dtype before the weight multiply), ``"fp32"`` for a single final rounding, and
-    ``weight_offset=1.0`` with ``"fp32"`` for Gemma-style ``(1 + weight)`` forwards. A
-    candidate that matches none (another formula, a forward that needs more arguments)
-    is left as it is, with a warning.
+    ``weight_offset=1.0`` with ``"fp32"`` for Gemma-style ``(1 + weight)`` forwards; for a
+    gated module also the order of norm and gate. A candidate that matches none (another
+    formula, a forward that needs more arguments) is left as it is, with a warning.
 
     The new module shares the old one's weight Parameter (same object, same
     state_dict key), so loading, saving and tied weights are unaffected. Every
@@ -321,17 +383,16 @@ def patch_hf_rmsnorm(model, fuse_residual=False):
     found = _candidates(model)
     _require_cuda(found)
     replacements = {}
-    for name, module, weight, eps in found:
+    for name, module, weight, eps, gated in found:
         if id(module) in replacements:
             continue
-        numerics = _matching_numerics(module, weight, eps)
+        numerics = _matching_numerics(module, weight, eps, gated)
         if numerics is None:
             warnings.warn(f"patch_hf_rmsnorm: left {name} ({type(module).__name__}) as it is: its "
                           f"forward matches none of cupy_rmsnorm's formulas", stacklevel=2)
             continue
-        casting_mode, offset = numerics
-        new = RMSNorm(weight.shape[0], eps, weight_offset=offset, casting_mode=casting_mode,
-                      dtype=weight.dtype, device="meta")
+        new = (RMSNormGated if gated else RMSNorm)(weight.shape[0], eps, dtype=weight.dtype, device="meta",
+                                                   **numerics)
         new.weight = weight        # the very same Parameter: no copy, same state_dict entry
         new.train(module.training)
         replacements[id(module)] = new

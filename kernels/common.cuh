@@ -25,6 +25,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(v);
 }
 
+// Select<B, A, C>::type: A when B, else C (NVRTC has no <type_traits>).
+template <bool B, typename A, typename C> struct Select { using type = A; };
+template <typename A, typename C> struct Select<false, A, C> { using type = C; };
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
     T v[N];

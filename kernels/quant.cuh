@@ -163,12 +163,13 @@ __device__ __forceinline__ float row_max(float m) {
 }
 
 
-// What the quantized output stage needs of a row, as norm_row left it (see there).
-template <typename T, typename W, int VEC, int VECS_PER_THREAD, bool PREFETCH_W>
+// What the quantized output stage needs of a row, as norm_row left it (see there): its values
+// of type S (the fused op's sum or x), rounded to N (x's type) in llama mode.
+template <typename S, typename N, typename W, int VEC, int VECS_PER_THREAD, bool PREFETCH_W>
 struct RowState {
-    const Pack<T, VEC> (&keep)[VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];
+    const Pack<S, VEC> (&keep)[VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];
     const Pack<W, VEC> (&wk)[PREFETCH_W ? VECS_PER_THREAD : 1];
-    const T* src;                   // streamed rows re-read their body here (residual_out when fused)
+    const S* src;                   // streamed rows re-read their body here (residual_out when fused)
     const W* w;
     int head, n_body, first, step, tail_at, tail, tid;   // tail_at: the tail's start from the body's
     bool has_head, has_tail, w_vec, prefetch_w;          // has_tail: this thread owns the tail's vector
@@ -178,26 +179,26 @@ struct RowState {
 
     // y (before its final rounding) of body vector v, this thread's k-th (0 when streamed)
     __device__ __forceinline__ void body_y(int k, int v, float (&y)[VEC]) const {
-        const Pack<T, VEC> a = VECS_PER_THREAD > 0 ? keep[VECS_PER_THREAD > 0 ? k : 0]
-                                               : reinterpret_cast<const Pack<T, VEC>*>(src + head)[v];
+        const Pack<S, VEC> a = VECS_PER_THREAD > 0 ? keep[VECS_PER_THREAD > 0 ? k : 0]
+                                               : reinterpret_cast<const Pack<S, VEC>*>(src + head)[v];
         float wv[VEC];
         if (prefetch_w) weights_of<W, VEC>(wk[PREFETCH_W ? k : 0], w_offset, wv);
         else load_weights<W, VEC>(w + head, v, w_vec, w_offset, flags, wv);
         unpack(a, y);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) y[e] = normalized<T>(y[e], inv_rms, wv[e], flags);
+        for (int e = 0; e < VEC; ++e) y[e] = normalized<N>(y[e], inv_rms, wv[e], flags);
     }
     // y of the tail's partial vector (this thread's k-th; elements past the row: 0)
     __device__ __forceinline__ void tail_y(int k, float (&y)[VEC]) const {
-        const Pack<T, VEC> a = VECS_PER_THREAD > 0 ? keep[VECS_PER_THREAD > 0 ? k : 0]
-                                               : load_partial<T, VEC>(src + head + tail_at, tail);
+        const Pack<S, VEC> a = VECS_PER_THREAD > 0 ? keep[VECS_PER_THREAD > 0 ? k : 0]
+                                               : load_partial<S, VEC>(src + head + tail_at, tail);
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
-            y[e] = e < tail ? normalized<T>(to_float(a.v[e]), inv_rms, weight_at(w + head, tail_at + e, w_offset, flags),
+            y[e] = e < tail ? normalized<N>(to_float(a.v[e]), inv_rms, weight_at(w + head, tail_at + e, w_offset, flags),
                                             flags)
                             : 0.f;
     }
-    __device__ __forceinline__ float head_y() const { return normalized<T>(head_v, inv_rms, head_w, flags); }
+    __device__ __forceinline__ float head_y() const { return normalized<N>(head_v, inv_rms, head_w, flags); }
 };
 
 // The kernel arguments of a quantized launch, for norm_row.

@@ -48,12 +48,16 @@ static_assert(sizeof(Params) == 96, "Params: 96 bytes, as cupy_rmsnorm/_abi.py p
 // EDGES: a row may start off x's 16-byte grid or end in a partial vector (head and tail);
 // without it every row is whole vectors, a compile-time fact that saves registers.
 // FORM != kPlain: the output is quant.q (QTYPE bytes, at out's row strides), not y.
+// R: the residual's (and residual_out's) type, O: y's (row.cuh); both T but for mixed precision.
 template <typename T, typename W, bool FUSED, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int CLUSTER,
-          int FORM = kPlain, int QTYPE = kE4M3, bool FLAT = false>
-__device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_out, const W* w,
+          int FORM = kPlain, int QTYPE = kE4M3, bool FLAT = false, typename R = T, typename O = T>
+__device__ __forceinline__ void norm_row(const T* x, const R* res, O* y, R* res_out, const W* w,
                                          const Params& p, long long block_id, int rank,
                                          const QuantArgs& quant = QuantArgs()) {
+    using S = typename Select<FUSED, R, T>::type;     // the values normalized: the fused op's sum, or x
     using VecT = Pack<T, VEC>;
+    using VecR = Pack<R, VEC>;
+    using VecS = Pack<S, VEC>;
     constexpr int WARPS = THREADS_PER_ROW > 32 ? THREADS_PER_ROW / 32 : 1;
     constexpr int SLOTS = VECS_PER_THREAD > 0 ? VECS_PER_THREAD : kEpoch;   // partial sums per thread
     static_assert(THREADS_PER_ROW >= VEC, "a group must cover a head of up to VEC - 1 elements");
@@ -76,9 +80,9 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     long long outer = r, inner = 0;
     if (!FLAT && p.n_inner != 1) { outer = r / p.n_inner; inner = r - outer * p.n_inner; }
     const T* xr = x + row_offset<FLAT>(outer, inner, p.x);
-    const T* rr = FUSED ? res + row_offset<FLAT>(outer, inner, p.residual) : nullptr;
-    T* yr = y + row_offset<FLAT>(outer, inner, p.out);
-    T* ror = FUSED ? res_out + row_offset<FLAT>(outer, inner, p.residual_out) : nullptr;
+    const R* rr = FUSED ? res + row_offset<FLAT>(outer, inner, p.residual) : nullptr;
+    O* yr = y + row_offset<FLAT>(outer, inner, p.out);
+    R* ror = FUSED ? res_out + row_offset<FLAT>(outer, inner, p.residual_out) : nullptr;
 
     // Head: elements before x's row reaches a 16-byte boundary (all arrays share that
     // alignment pattern, the launcher made sure); tail: what is left after the last whole
@@ -103,7 +107,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
         ((reinterpret_cast<unsigned long long>(w + head) % sizeof(Pack<W, VEC>)) == 0);
 
     float total, head_v = 0.f;                   // the row's sum of squares; this thread's head element
-    VecT keep[VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];   // the row's body, kept for the second pass
+    VecS keep[VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];   // the row's body, kept for the second pass
     // Short rows: the weights are fetched with the row, not after the reduction, so their
     // latency is off the critical path (only where registers allow).
     constexpr bool PREFETCH_W = VECS_PER_THREAD == 1;
@@ -111,11 +115,11 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     const bool prefetch_w = PREFETCH_W && w_vec;
     // the body's start in each array; the head and tail are addressed from it (fewer live pointers)
     const T* xb = xr + head;
-    const T* rb = FUSED ? rr + head : nullptr;
-    T* rob = FUSED ? ror + head : nullptr;
+    const R* rb = FUSED ? rr + head : nullptr;
+    R* rob = FUSED ? ror + head : nullptr;
     const VecT* xv = reinterpret_cast<const VecT*>(xb);
-    const VecT* rv = reinterpret_cast<const VecT*>(rb);
-    VecT* rov = reinterpret_cast<VecT*>(rob);
+    const VecR* rv = reinterpret_cast<const VecR*>(rb);
+    VecR* rov = reinterpret_cast<VecR*>(rob);
     const int tail_at = n_body * VEC;            // the tail's start, from the body's
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
@@ -132,16 +136,25 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
 #pragma unroll
         for (int i = 0; i < SLOTS; ++i) part[i] = 0.f;
         if (active) {
-            VecT other[FUSED && VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];
+            VecT xin[FUSED && VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];     // the fused op's x
+            VecR other[FUSED && VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];
 #pragma unroll
             for (int i = 0; i < VECS_PER_THREAD; ++i) {   // issue every body load before the first use
                 const int v = first + i * STEP;
                 if (v < n_body) {
-                    keep[i] = xv[v];
-                    if (FUSED) other[i] = rv[v];
+                    if constexpr (FUSED) {
+                        xin[i] = xv[v];
+                        other[i] = rv[v];
+                    } else {
+                        keep[i] = xv[v];
+                    }
                 } else if (EDGES && v == n_body) {       // the tail, in the same registers
-                    keep[i] = load_partial<T, VEC>(xb + tail_at, tail);
-                    if (FUSED) other[i] = load_partial<T, VEC>(rb + tail_at, tail);
+                    if constexpr (FUSED) {
+                        xin[i] = load_partial<T, VEC>(xb + tail_at, tail);
+                        other[i] = load_partial<R, VEC>(rb + tail_at, tail);
+                    } else {
+                        keep[i] = load_partial<T, VEC>(xb + tail_at, tail);
+                    }
                 }
             }
             if (prefetch_w) {
@@ -152,18 +165,18 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                 }
             }
             // the head's load goes out while the body loads are in flight
-            if (has_head) head_v = load_scalar<T, W, FUSED>(xb, rb, rob, tid - head);
+            if (has_head) head_v = load_scalar<T, R, FUSED>(xb, rb, rob, tid - head);
             const float head_ss = square(head_v);
 #pragma unroll
             for (int i = 0; i < VECS_PER_THREAD; ++i) {
                 const int v = first + i * STEP;
                 if (v < n_body || (EDGES && v == n_body)) {
-                    if (FUSED) {
-                        keep[i] = rounded_sum(keep[i], other[FUSED ? i : 0]);
+                    if constexpr (FUSED) {
+                        keep[i] = rounded_sum(xin[i], other[i]);
                         if (v < n_body) rov[v] = keep[i];
-                        else store_partial<T, VEC>(rob + tail_at, keep[i], tail);
+                        else store_partial<R, VEC>(rob + tail_at, keep[i], tail);
                     }
-                    part[i] = vector_squares<T, VEC>(keep[i]);
+                    part[i] = vector_squares<S, VEC>(keep[i]);
                 }
             }
             if (has_head) part[0] += head_ss;
@@ -188,7 +201,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
         __shared__ float epoch_levels[kEpochLevels], row_total;
         const int n_vec = n_body + (tail > 0);   // vectors, the tail's included
         const int steps = n_vec / STEP + (n_vec % STEP != 0);
-        const float head_ss = has_head ? square(load_scalar<T, W, FUSED>(xb, rb, rob, tid - head)) : 0.f;
+        const float head_ss = has_head ? square(load_scalar<T, R, FUSED>(xb, rb, rob, tid - head)) : 0.f;
 #pragma unroll 1
         for (int e0 = 0; e0 < steps; e0 += kEpoch) {
             const int count = min(kEpoch, steps - e0);
@@ -198,7 +211,8 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                 // Issue the batch's loads before the first use; unchecked where the whole batch
                 // is in the row (all but the last), so that they can all go out at once.
                 const bool whole = active && v0 + (BATCH - 1) * STEP < unsigned(n_body);
-                VecT a[BATCH], b[FUSED ? BATCH : 1];
+                VecT a[BATCH];
+                VecR b[FUSED ? BATCH : 1];
                 if (whole) {
 #pragma unroll
                     for (int k = 0; k < BATCH; ++k) { a[k] = xv[v0 + k * STEP]; if (FUSED) b[FUSED ? k : 0] = rv[v0 + k * STEP]; }
@@ -211,7 +225,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                             if (FUSED) b[FUSED ? k : 0] = rv[v];
                         } else if (EDGES && has_tail && v == unsigned(n_body)) {
                             a[k] = load_partial<T, VEC>(xb + tail_at, tail);
-                            if (FUSED) b[FUSED ? k : 0] = load_partial<T, VEC>(rb + tail_at, tail);
+                            if (FUSED) b[FUSED ? k : 0] = load_partial<R, VEC>(rb + tail_at, tail);
                         }
                     }
                 }
@@ -222,12 +236,14 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
                     const bool is_tail = EDGES && !whole && has_tail && v == unsigned(n_body);
                     part[k] = e0 + b0 + k == 0 ? head_ss : 0.f;
                     if (whole || (active && v < unsigned(n_body)) || is_tail) {
-                        if (FUSED) {
-                            a[k] = rounded_sum(a[k], b[FUSED ? k : 0]);
-                            if (is_tail) store_partial<T, VEC>(rob + tail_at, a[k], tail);
-                            else rov[v] = a[k];
+                        if constexpr (FUSED) {
+                            const VecR s = rounded_sum(a[k], b[k]);
+                            if (is_tail) store_partial<R, VEC>(rob + tail_at, s, tail);
+                            else rov[v] = s;
+                            part[k] += vector_squares<R, VEC>(s);
+                        } else {
+                            part[k] += vector_squares<T, VEC>(a[k]);
                         }
-                        part[k] += vector_squares<T, VEC>(a[k]);
                     }
                 }
                 Lanes::over_lanes(part);
@@ -246,60 +262,65 @@ __device__ __forceinline__ void norm_row(const T* x, const T* res, T* y, T* res_
     }
     if (!active) return;                         // (never with a cluster: it shares one row)
     const float inv_rms = rsqrtf(total / (float)hidden + p.eps);
+    // the body's values normalized: residual_out's when FUSED (where this same thread wrote the
+    // rounded sum), else x's
+    const S* sr = FUSED ? reinterpret_cast<const S*>(ror) : reinterpret_cast<const S*>(xr);
+    const S* sb = sr + head;
     if constexpr (FORM != kPlain) {
         // the head element and its weight, as the plain output below takes them
-        const float head_x = has_head ? (VECS_PER_THREAD == 0 ? to_float((FUSED ? rob : xb)[tid - head]) : head_v) : 0.f;
+        const float head_x = has_head ? (VECS_PER_THREAD == 0 ? to_float(sb[tid - head]) : head_v) : 0.f;
         const float head_w = has_head ? weight_at(w + head, tid - head, w_offset, flags) : 1.f;
-        const RowState<T, W, VEC, VECS_PER_THREAD, PREFETCH_W> row{
-            keep, wk, FUSED ? ror : xr, w, head, n_body, first, STEP, tail_at, tail, tid, has_head, has_tail, w_vec,
+        const RowState<S, T, W, VEC, VECS_PER_THREAD, PREFETCH_W> row{
+            keep, wk, sr, w, head, n_body, first, STEP, tail_at, tail, tid, has_head, has_tail, w_vec,
             prefetch_w, head_x, head_w, w_offset, flags, inv_rms};
         store_quantized<VEC, THREADS_PER_ROW, VECS_PER_THREAD, CLUSTER, EDGES, FORM, QTYPE, FLAT>(row, qr, row_scales,
                                                                                           static_scale, quant, rank);
         return;
     }
 
-    // The body comes from registers, or (streaming) is re-read: from residual_out when
-    // FUSED, where this same thread wrote the rounded sum.
-    T* yb = yr + head;
-    const T* sb = FUSED ? rob : xb;
-    VecT* yv = reinterpret_cast<VecT*>(yb);
-    const VecT* sv = reinterpret_cast<const VecT*>(sb);
+    // The body comes from registers, or (streaming) is re-read from sb.
+    O* yb = yr + head;
+    Pack<O, VEC>* yv = reinterpret_cast<Pack<O, VEC>*>(yb);
+    const VecS* sv = reinterpret_cast<const VecS*>(sb);
     const W* wb = w + head;
     if (VECS_PER_THREAD > 0) {
 #pragma unroll
         for (int i = 0; i < VECS_PER_THREAD; ++i) {
             const int v = first + i * STEP;
-            if (EDGES && v == n_body) finish_tail<T, W, VEC>(keep[i], yb, wb, tail_at, tail, inv_rms, w_offset, flags);
+            if (EDGES && v == n_body) finish_tail<S, O, W, VEC>(keep[i], yb, wb, tail_at, tail, inv_rms, w_offset, flags);
             if (v >= n_body) continue;
             if (prefetch_w) {
                 float wv[VEC];
                 weights_of<W, VEC>(wk[PREFETCH_W ? i : 0], w_offset, wv);
-                yv[v] = scale_vec<T, W, VEC>(keep[i], wv, inv_rms, flags);
+                yv[v] = scale_vec<S, O, W, VEC>(keep[i], wv, inv_rms, flags);
             } else {
-                yv[v] = finish_vec<T, W, VEC>(keep[i], wb, v, w_vec, inv_rms, w_offset, flags);
+                yv[v] = finish_vec<S, O, W, VEC>(keep[i], wb, v, w_vec, inv_rms, w_offset, flags);
             }
         }
     } else {
 #pragma unroll 4
         for (int v = first; v < n_body; v += STEP) {
-            const VecT a = sv[v];                // one 16-byte load, not one per element
-            yv[v] = finish_vec<T, W, VEC>(a, wb, v, w_vec, inv_rms, w_offset, flags);
+            const VecS a = sv[v];                // one vector load, not one per element
+            yv[v] = finish_vec<S, O, W, VEC>(a, wb, v, w_vec, inv_rms, w_offset, flags);
         }
     }
     // The head comes last (a streamed row re-reads it, and its tail, as it does the body).
     if (has_head) {
         const int j = tid - head;                // (< 0: before the body)
         if (VECS_PER_THREAD == 0) head_v = to_float(sb[j]);
-        yb[j] = normalize<T, W>(head_v, inv_rms, weight_at(wb, j, w_offset, flags), flags);
+        yb[j] = normalize<O, W>(head_v, inv_rms, weight_at(wb, j, w_offset, flags), flags);
     }
-    if (VECS_PER_THREAD == 0 && has_tail) finish_tail<T, W, VEC>(sb, yb, wb, tail_at, tail, inv_rms, w_offset, flags);
+    if (VECS_PER_THREAD == 0 && has_tail) finish_tail<S, O, W, VEC>(sb, yb, wb, tail_at, tail, inv_rms, w_offset, flags);
 }
 
-template <typename T, typename W, bool FUSED, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES>
+// R, O: the residual's and the output's types (mixed precision; row.cuh).
+template <typename T, typename W, bool FUSED, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES,
+          typename R = T, typename O = T>
 __global__ void __launch_bounds__(THREADS_PER_ROW > 256 ? THREADS_PER_ROW : 256,
                                   THREADS_PER_ROW > 256 ? 1024 / THREADS_PER_ROW : 3)
-rms_norm_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
-    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, 1>(x, res, y, res_out, w, p, linear_block(), 0);
+rms_norm_kernel(const T* x, const R* res, O* y, R* res_out, const W* w, const Params p) {
+    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, 1, kPlain, kE4M3, false, R, O>(
+        x, res, y, res_out, w, p, linear_block(), 0);
     if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
 }
 
@@ -315,15 +336,15 @@ constexpr int quant_min_blocks_of_256() {
 }
 
 template <typename T, typename W, bool FUSED, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int FORM,
-          int QTYPE, bool FLAT>
+          int QTYPE, bool FLAT, typename R = T>
 __global__ void __launch_bounds__(THREADS_PER_ROW > 256 ? THREADS_PER_ROW : 256,
                                   THREADS_PER_ROW > 256 ? 1024 / THREADS_PER_ROW
                                                     : quant_min_blocks_of_256<FORM, EDGES, THREADS_PER_ROW>())
-rms_norm_quant_kernel(const T* x, const T* res, unsigned char* q, T* res_out, const W* w, const float* scale,
+rms_norm_quant_kernel(const T* x, const R* res, unsigned char* q, R* res_out, const W* w, const float* scale,
                       float* scales, const Params p, const QuantParams qp) {
     static_assert(FORM != kPlain && (FORM != kPerGroup || !EDGES), "a quantized form; groups: whole vectors");
-    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, 1, FORM, QTYPE, FLAT>(
-        x, res, nullptr, res_out, w, p, linear_block(), 0, QuantArgs{q, scale, scales, qp});
+    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, 1, FORM, QTYPE, FLAT, R, T>(
+        x, res, static_cast<T*>(nullptr), res_out, w, p, linear_block(), 0, QuantArgs{q, scale, scales, qp});
     if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
 }
 
@@ -335,25 +356,26 @@ rms_norm_quant_kernel(const T* x, const T* res, unsigned char* q, T* res_out, co
 #define RMSNORM_CLUSTER_DIMS(c) __cluster_dims__(c, 1, 1)
 #endif
 
-template <typename T, typename W, bool FUSED, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int CLUSTER>
+template <typename T, typename W, bool FUSED, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int CLUSTER,
+          typename R = T, typename O = T>
 __global__ void RMSNORM_CLUSTER_DIMS(CLUSTER) __launch_bounds__(THREADS_PER_ROW, 1)
-rms_norm_cluster_kernel(const T* x, const T* res, T* y, T* res_out, const W* w, const Params p) {
+rms_norm_cluster_kernel(const T* x, const R* res, O* y, R* res_out, const W* w, const Params p) {
     const long long b = linear_block();
-    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, CLUSTER>(x, res, y, res_out, w, p, b / CLUSTER,
-                                                                         (int)(b % CLUSTER));
+    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, CLUSTER, kPlain, kE4M3, false, R, O>(
+        x, res, y, res_out, w, p, b / CLUSTER, (int)(b % CLUSTER));
     if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
     cluster_done();
 }
 
 template <typename T, typename W, bool FUSED, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int CLUSTER,
-          int FORM, int QTYPE>
+          int FORM, int QTYPE, typename R = T>
 __global__ void RMSNORM_CLUSTER_DIMS(CLUSTER) __launch_bounds__(THREADS_PER_ROW, 1)
-rms_norm_quant_cluster_kernel(const T* x, const T* res, unsigned char* q, T* res_out, const W* w,
+rms_norm_quant_cluster_kernel(const T* x, const R* res, unsigned char* q, R* res_out, const W* w,
                               const float* scale, float* scales, const Params p, const QuantParams qp) {
     static_assert(FORM != kPlain && (FORM != kPerGroup || !EDGES), "a quantized form; groups: whole vectors");
     const long long b = linear_block();
-    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, CLUSTER, FORM, QTYPE>(
-        x, res, nullptr, res_out, w, p, b / CLUSTER, (int)(b % CLUSTER), QuantArgs{q, scale, scales, qp});
+    norm_row<T, W, FUSED, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, CLUSTER, FORM, QTYPE, false, R, T>(
+        x, res, static_cast<T*>(nullptr), res_out, w, p, b / CLUSTER, (int)(b % CLUSTER), QuantArgs{q, scale, scales, qp});
     if (!(p.flags & kEarlyTrigger)) allow_next_kernel();
     cluster_done();
 }

@@ -175,7 +175,8 @@ struct BackwardMinBlocks {
 // dweight sums are its row's dy * xhat: they go from registers straight to its partials row,
 // or to dweight, without the shared-memory round trip and its barriers (as 0 + v, what the
 // sums would hold). FLAGS: the flags when known at compile time (the row kernel), else -1.
-template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, bool ONE_ROW, int FLAGS>
+template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, bool ONE_ROW, int FLAGS,
+          typename N>
 __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
                                               float* partials, W* dweight, const BackwardParams& p) {
     using VecT = Pack<T, VEC>;
@@ -309,17 +310,17 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
             if (has_head) {
                 dxr[tid] = dx_of<T>(head_dy, head_x, head_w, inv_rms, c, add_grad ? to_float(dres[tid]) : 0.f);
                 if (weight_grad && ONE_ROW)
-                    out_row.put(tid, 0.f + head_dy * xhat_for_weight<T>(head_x, inv_rms, flags));
+                    out_row.put(tid, 0.f + head_dy * xhat_for_weight<N>(head_x, inv_rms, flags));
                 else if (weight_grad)
-                    sums[slot(tid)] = (first_row ? 0.f : sums[slot(tid)]) + head_dy * xhat_for_weight<T>(head_x, inv_rms, flags);
+                    sums[slot(tid)] = (first_row ? 0.f : sums[slot(tid)]) + head_dy * xhat_for_weight<N>(head_x, inv_rms, flags);
             }
             if (has_tail) {
                 const int j = tail_start + tid;
                 dxr[j] = dx_of<T>(tail_dy, tail_x, tail_w, inv_rms, c, add_grad ? to_float(dres[j]) : 0.f);
                 if (weight_grad && ONE_ROW)
-                    out_row.put(j, 0.f + tail_dy * xhat_for_weight<T>(tail_x, inv_rms, flags));
+                    out_row.put(j, 0.f + tail_dy * xhat_for_weight<N>(tail_x, inv_rms, flags));
                 else if (weight_grad)
-                    sums[slot(j)] = (first_row ? 0.f : sums[slot(j)]) + tail_dy * xhat_for_weight<T>(tail_x, inv_rms, flags);
+                    sums[slot(j)] = (first_row ? 0.f : sums[slot(j)]) + tail_dy * xhat_for_weight<N>(tail_x, inv_rms, flags);
             }
             VecT* dxv = reinterpret_cast<VecT*>(dxr + head);
             const VecT* dresv = reinterpret_cast<const VecT*>(dres + head);
@@ -340,16 +341,16 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
                             const float dyf = to_float(kdy[i].v[e]), xf = to_float(kx[i].v[e]);
                             o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, ADD ? to_float(add.v[e]) : 0.f);
                             if (DW && SUMS_IN_REGISTERS)
-                                dw_acc[SUMS_IN_REGISTERS ? e : 0] += dyf * xhat_for_weight<T>(xf, inv_rms, LLAMA);
+                                dw_acc[SUMS_IN_REGISTERS ? e : 0] += dyf * xhat_for_weight<N>(xf, inv_rms, LLAMA);
                             else if (DW && !ONE_ROW)
-                                sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<T>(xf, inv_rms, LLAMA);
+                                sums[slot(head + v * VEC + e)] += dyf * xhat_for_weight<N>(xf, inv_rms, LLAMA);
                         }
                         dxv[v] = o;
                         if (DW && ONE_ROW) {
                             float dw_row[VEC];
 #pragma unroll
                             for (int e = 0; e < VEC; ++e)
-                                dw_row[e] = 0.f + to_float(kdy[i].v[e]) * xhat_for_weight<T>(to_float(kx[i].v[e]), inv_rms, LLAMA);
+                                dw_row[e] = 0.f + to_float(kdy[i].v[e]) * xhat_for_weight<N>(to_float(kx[i].v[e]), inv_rms, LLAMA);
                             out_row.put_vector<VEC>(head + v * VEC, dw_row);
                         }
                     }
@@ -373,7 +374,7 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
                     for (int e = 0; e < VEC; ++e) {
                         const float dyf = to_float(a.v[e]), xf = to_float(b.v[e]);
                         o.v[e] = dx_of<T>(dyf, xf, wv[e], inv_rms, c, add_grad ? to_float(add.v[e]) : 0.f);
-                        if (weight_grad) pv[e] = (first_row ? 0.f : pv[e]) + dyf * xhat_for_weight<T>(xf, inv_rms, flags);
+                        if (weight_grad) pv[e] = (first_row ? 0.f : pv[e]) + dyf * xhat_for_weight<N>(xf, inv_rms, flags);
                     }
                     dxv[v] = o;
                 }
@@ -407,11 +408,13 @@ __device__ __forceinline__ void backward_rows(const T* dy, const T* x, const T* 
     }
 }
 
-template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES>
+// N: the type the llama mode rounds xhat to for dweight (the forward's output type; T but for
+// mixed precision, where the launcher runs the float32 kernel on upcast inputs).
+template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, typename N = T>
 __global__ void __launch_bounds__(THREADS_PER_ROW > 256 ? THREADS_PER_ROW : 256, BackwardMinBlocks<THREADS_PER_ROW, VECS_PER_THREAD, EDGES>::value)
 rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
                          W* dweight, const BackwardParams p) {
-    backward_rows<T, W, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, false, -1>(dy, x, d_residual_out, dx, w, partials, dweight, p);
+    backward_rows<T, W, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, false, -1, N>(dy, x, d_residual_out, dx, w, partials, dweight, p);
     allow_next_kernel();
 }
 
@@ -422,12 +425,12 @@ rms_norm_backward_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx
 // row is a chain of dependent instructions, and the flags' tests and the general row
 // arithmetic were a quarter of them (1 x 4096 bf16: 6,240 warp instructions, 4,656 compiled in,
 // ncu; 0.76-0.99 of the time at 1-128 rows).
-template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int FLAGS>
+template <typename T, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool EDGES, int FLAGS, typename N = T>
 __global__ void __launch_bounds__(THREADS_PER_ROW > 256 ? THREADS_PER_ROW : 256, BackwardMinBlocks<THREADS_PER_ROW, VECS_PER_THREAD, EDGES>::value)
 rms_norm_backward_row_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w, float* partials,
                              W* dweight, const BackwardParams p) {
     static_assert(THREADS_PER_ROW > 32 && VECS_PER_THREAD > 0, "a block-wide group with the row in registers");
-    backward_rows<T, W, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, true, FLAGS>(dy, x, d_residual_out, dx, w, partials, dweight, p);
+    backward_rows<T, W, VEC, THREADS_PER_ROW, VECS_PER_THREAD, EDGES, true, FLAGS, N>(dy, x, d_residual_out, dx, w, partials, dweight, p);
     allow_next_kernel();
 }
 
@@ -506,7 +509,7 @@ struct StagedMinBlocks {
 // (cupy_rmsnorm/_plan.py BACKWARD_PAIRED_GEOMETRY: where that pays). Each row's arithmetic
 // and each column's order of dweight additions (rows in order) are those of ROWS = 1: the
 // same geometry and blocks give the same bits.
-template <typename T, typename W, int THREADS_PER_ROW, int VECS_PER_THREAD, int ROWS>
+template <typename T, typename W, int THREADS_PER_ROW, int VECS_PER_THREAD, int ROWS, typename N = T>
 __global__ void __launch_bounds__(THREADS_PER_ROW, StagedMinBlocks<THREADS_PER_ROW, VECS_PER_THREAD, ROWS>::value)
 rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out, T* dx, const W* w,
                                 float* partials, W* dweight, const BackwardParams p) {
@@ -631,7 +634,7 @@ rms_norm_backward_staged_kernel(const T* dy, const T* x, const T* d_residual_out
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
                         o.v[e] = dx_of<T>(fdy[e], fx[e], wv[i][e], inv_rms, c, ADD ? fadd[e] : 0.f);
-                        if (DW) dws[i][e] += fdy[e] * xhat_for_weight<T>(fx[e], inv_rms, LLAMA);
+                        if (DW) dws[i][e] += fdy[e] * xhat_for_weight<N>(fx[e], inv_rms, LLAMA);
                     }
                     dxv[j][v] = o;
                 }

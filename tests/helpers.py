@@ -140,3 +140,29 @@ def tiny_llama(layers, hidden, vocab=1000, heads=4, kv_heads=2, device="cuda", d
                 if type(m).__name__ == "LlamaRMSNorm":
                     m.weight.copy_(1.0 + 0.3 * torch.randn(hidden))
     return model
+
+
+# -- the docs' code blocks ----------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC_FILES = ("README.md", "docs/design.md", "docs/numerics.md", "docs/performance.md")
+
+
+def doc_blocks():
+    """Every fenced code block of the README and docs/: (file, line, language, needs a GPU,
+    code). A block needs a GPU when the line just before it is ``<!-- gpu -->``."""
+    import re
+    blocks = []
+    for name in DOC_FILES:
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        i = 0
+        while i < len(lines):
+            m = re.match(r"^```(\w*)\s*$", lines[i])
+            if not m:
+                i += 1
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            gpu = i > 0 and lines[i - 1].strip() == "<!-- gpu -->"
+            blocks.append((name, i + 1, m.group(1), gpu, "\n".join(lines[i + 1:end])))
+            i = end + 1
+    return blocks
