@@ -39,12 +39,14 @@ INSTALL_HINTS = {
     "liger": "pip install liger-kernel",
     "transformers": "pip install transformers",
     "flashinfer": "pip install flashinfer-python (its headers) and nvcc on PATH, or --flashinfer",
+    "fla": "pip install fla-core (flash-linear-attention's Triton kernels)",
 }
 PEERS_HELP = ("peers: each is used where it is installed, the rest are left out with a note. On top of a\n"
               "CUDA build of torch, `pip install liger-kernel` adds Liger-Kernel (torch.compile needs the\n"
               "Triton that Linux torch wheels bring); the e2e and train sub-commands need `pip install\n"
               "transformers`; the quant sub-command's FlashInfer peer needs `pip install flashinfer-python`\n"
-              "(only its headers are used) and nvcc on PATH.")
+              "(only its headers are used) and nvcc on PATH; the gated sub-command's FLA peers need\n"
+              "`pip install fla-core`.")
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -121,6 +123,18 @@ def comma_list(parse=str, choices=None, what="value"):
                 raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; choose from {', '.join(choices)}")
             out.append(value)
         return unique(out)
+    return convert
+
+
+def selection(choices, what):
+    """An argparse type: ``all``, ``none`` or a comma list of ``choices``."""
+    pick = comma_list(str, choices, what)
+
+    def convert(text):
+        key = text.strip().lower()
+        if key in ("all", "none"):
+            return list(choices) if key == "all" else []
+        return pick(text)
     return convert
 
 
@@ -231,7 +245,7 @@ def git_state(path):
 
 
 VERSIONED = ("numpy", "ml_dtypes", "cupy-cuda12x", "cupy-cuda13x", "torch", "triton", "liger-kernel",
-             "transformers", "flashinfer-python", "matplotlib")
+             "transformers", "flashinfer-python", "fla-core", "flash-linear-attention", "einops", "matplotlib")
 
 
 def versions():

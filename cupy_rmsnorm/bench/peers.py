@@ -233,6 +233,19 @@ def _torch_functions():
     return {"torch_eager": (eager_rms, eager_fused), "F.rms_norm": (f_rms, f_fused)}
 
 
+def lift_recompile_limits():
+    """Lift Dynamo's per-function recompile limit (8 by default) past a benchmark's grid,
+    else fullgraph=True fails on the ninth shape."""
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    for names in (("recompile_limit", "cache_size_limit"),
+                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        for attr in names:
+            if hasattr(cfg, attr):
+                setattr(cfg, attr, max(getattr(cfg, attr), 4096))
+                break
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_functions(mode):
     """torch.compile(fullgraph=True) of the eager functions (one mode per process: the
@@ -248,14 +261,7 @@ def _compiled_functions(mode):
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode {mode!r}")
     cfg = torch._dynamo.config
-    # lift Dynamo's per-function recompile limit (8 by default) past the grid, else
-    # fullgraph=True fails on the ninth shape
-    for names in (("recompile_limit", "cache_size_limit"),
-                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
-        for attr in names:
-            if hasattr(cfg, attr):
-                setattr(cfg, attr, max(getattr(cfg, attr), 4096))
-                break
+    lift_recompile_limits()
     if mode == "tokens":
         cfg.automatic_dynamic_shapes = False   # a new hidden size recompiles static, never generic
         options = {}

@@ -1,0 +1,552 @@
+"""``gated``: GPU time of the gated RMSNorm against its peers, forward, backward and forward +
+backward, on the same torch tensors (weight of x's dtype, eps 1e-6, SiLU), in graph mode
+(CUDA events around the replay of a graph of many calls) and cold mode (one call after a
+512 MiB write flushed the L2); medians over rounds. Orders: norm-gate, y = rmsnorm(x) * w *
+silu(gate) (Qwen3-Next, Gated DeltaNet); gate-norm, y = rmsnorm(x * silu(gate)) * w (Mamba2).
+
+Cases: TxHxD (Gated DeltaNet's output norm): x and the gate are (T, H, D) views into one packed
+(T, 2*H*D) buffer, the gate a strided view as it is in a model, each head normalized on its own
+with a weight of D; TxW: whole rows of W channels, with group size none (the row) or G (each G
+channels normalized on their own, the weight spanning the row).
+
+- ours: the library's torch path: ``rn.rms_norm_gated`` (forward), ``rn.rms_norm_gated_backward``
+  (backward), autograd through ``cupy_rmsnorm.torch.RMSNormGated`` (forward + backward);
+- ours_cupy: the same functions on CuPy views of the same memory, for reference (forward +
+  backward: the two calls);
+- fla: flash-linear-attention's ``FusedRMSNormGated`` (Triton; FLA's Gated DeltaNet output
+  norm): norm before the gate only, no group size; it copies x and the gate to contiguous first;
+- fla_grouped: FLA's ``RMSNormGated`` (Tri Dao's Mamba2 kernel in Triton): group size and both
+  orders, SiLU only; it also copies its inputs to contiguous;
+- torch.compile: the Hugging Face formula as one torch function under
+  ``torch.compile(fullgraph=True, dynamic=False)`` (one graph per shape), its compiled backward
+  included;
+- hf: Hugging Face's eager module: ``Qwen3NextRMSNormGated`` (norm-gate, no groups) or Mamba2's
+  ``MambaRMSNormGated`` (gate-norm, groups);
+- copy: a device copy moving the same bytes (the floor): the forward reads x and the gate and
+  writes y (3 arrays of x's size), the backward reads x, the gate and dy and writes dx and dgate
+  (5), forward + backward both (8); the weight is left out.
+
+The peers' backward alone is ``torch.autograd.grad(y, (x, gate, weight), dy, retain_graph=True)``
+on one forward recorded outside the timed region. Before it is timed, each implementation's
+outputs (y; or dx, dgate and dweight) are compared with ours in float32: ``err`` is max |theirs -
+ours| / max |ours| over the outputs; past the tolerance (a few bfloat16 units) it is an error and
+the implementation is not timed in that case.
+"""
+
+import functools
+import importlib.util
+import math
+import sys
+import time
+from typing import NamedTuple, Optional
+
+from . import common, peers, quant
+
+SUMMARY = "the gated RMSNorm (Gated DeltaNet, Mamba2) against FLA, torch.compile and HF, forward and backward"
+IMPLS = ("ours", "ours_cupy", "fla", "fla_grouped", "torch.compile", "hf", "copy")
+PEERS = ("fla", "fla_grouped", "torch.compile", "hf")        # "best peer" is among these
+SELECTABLE = IMPLS[1:]                                         # what --peers chooses; "ours" always runs
+CUPY_IMPLS = ("ours_cupy",)                                    # on the CuPy runner; the rest on torch's
+OPS = ("fwd", "bwd", "fwdbwd")
+OP_TITLES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward + backward"}
+ARRAYS_MOVED = {"fwd": 3, "bwd": 5, "fwdbwd": 8}               # x-sized arrays read + written
+LAYOUTS = ("heads", "rows")
+ORDERS = ("norm-gate", "gate-norm")
+MODES = ("graph", "cold")
+EPS = 1e-6
+TOLERANCE = 2e-2          # of max |ours|: a few bfloat16 units (the peers round in other places)
+TOKENS = (1, 32, 256, 4096, 16384)
+TOKENS_TEXT = ",".join(map(str, TOKENS))
+HEADS = tuple((t, 32) for t in TOKENS)
+SHAPES = tuple((t, h) for h in (4096, 8192) for t in TOKENS)
+GROUP_SIZES = (None, 1024)
+DEFAULTS = {"heads": list(HEADS), "shapes": list(SHAPES), "dtypes": ["bfloat16"], "modes": list(MODES),
+            "repeats": 7}
+QUICK = {"heads": [(1, 32), (4096, 32)], "shapes": [(1, 4096), (4096, 4096)], "repeats": 3}
+DESCRIPTIONS = {
+    "ours": "cupy_rmsnorm on torch tensors: rms_norm_gated, rms_norm_gated_backward; autograd through "
+            "cupy_rmsnorm.torch.RMSNormGated for forward + backward",
+    "ours_cupy": "the same functions on CuPy views of the same memory (forward + backward: the two calls)",
+    "fla": "flash-linear-attention's FusedRMSNormGated (Triton): norm-gate, no group size; copies strided "
+           "inputs to contiguous",
+    "fla_grouped": "flash-linear-attention's RMSNormGated (the Mamba2 kernel, Triton): group size, both "
+                   "orders; copies strided inputs to contiguous",
+    "torch.compile": "the Hugging Face formula under torch.compile(fullgraph=True, dynamic=False)",
+    "hf": "transformers' Qwen3NextRMSNormGated (norm-gate) / Mamba2's MambaRMSNormGated (gate-norm), eager",
+    "copy": "a device copy of the pass's bytes (x, gate, y; backward x, gate, dy, dx, dgate): the floor",
+}
+NOTE = ("TxHxD: x and the gate (T, H, D) views into one packed (T, 2*H*D) buffer, each head normalized; "
+        "TxW: whole rows, group: channels normalized together; err: max |theirs - ours| / max |ours|")
+EPILOG = ("implementations:\n" + "\n".join(f"  {name:14s} {text}" for name, text in DESCRIPTIONS.items())
+          + f"\n\nneeds torch with CUDA; fla, fla_grouped: {common.INSTALL_HINTS['fla']}; hf: "
+          f"{common.INSTALL_HINTS['transformers']}\n\n{common.PEERS_HELP}")
+
+
+class Case(NamedTuple):
+    """One problem: ``layout`` "heads" (x and the gate (tokens, heads, width) views into one
+    packed buffer, each head normalized) or "rows" ((tokens, width), heads 1); ``width``: the
+    normalized axis, the weight's length."""
+    layout: str
+    tokens: int
+    heads: int
+    width: int
+    group_size: Optional[int]
+    order: str
+
+    @property
+    def norm_before_gate(self):
+        return self.order == "norm-gate"
+
+    @property
+    def shape(self):
+        return (self.tokens, self.heads, self.width) if self.layout == "heads" else (self.tokens, self.width)
+
+
+def case_of(record):
+    """The Case of a result record (a dict holding Case's fields)."""
+    return Case(*(record[f] for f in Case._fields))
+
+
+def shape_text(case):
+    return "x".join(map(str, case.shape))
+
+
+def describe(case):
+    """``4096x32x128 norm-gate``, ``4096x8192 g1024 norm-gate``."""
+    group = f" g{case.group_size}" if case.group_size else ""
+    return f"{shape_text(case)}{group} {case.order}"
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def parse_group_size(text):
+    """``none`` (the whole row) or a positive number of channels."""
+    if text.lower() == "none":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"bad group size {text!r}: none or a positive integer")
+    return int(text)
+
+
+def add_arguments(p):
+    common.add_common_options(p, shapes=f"whole rows {TOKENS_TEXT}x4096,8192", dtypes="bf16",
+                              modes=(MODES, "both"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
+    p.add_argument("--heads", type=common.argparse_type(common.parse_shapes), nargs="+", metavar="TxH",
+                   help="Gated DeltaNet cases as TOKENSxHEADS (heads of --head-dim channels; x and the gate "
+                        f"views into one packed buffer), either side a comma list; default: {TOKENS_TEXT}x32")
+    p.add_argument("--head-dim", type=common.positive_int, default=128, help="channels per head (default: 128)")
+    p.add_argument("--group-sizes", type=common.comma_list(parse_group_size, what="group size"),
+                   default=list(GROUP_SIZES), help="the whole-row cases' group sizes: none (the row) and "
+                   "channel counts, each where it divides the row (default: none,1024)")
+    p.add_argument("--layouts", type=common.comma_list(str.lower, LAYOUTS, "layout"), default=list(LAYOUTS),
+                   help="heads (the --heads cases), rows (the --shapes cases) (default: both)")
+    p.add_argument("--orders", type=common.comma_list(str.lower, ORDERS, "order"), default=["norm-gate"],
+                   help="norm-gate: rmsnorm(x) * w * silu(gate) (Qwen3-Next); gate-norm: rmsnorm(x * "
+                        "silu(gate)) * w (Mamba2) (default: norm-gate)")
+    p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
+                   help="passes: fwd, bwd, fwdbwd (default: all three)")
+    p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
+                   help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
+                        "'ours' always runs)")
+    p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
+    p.add_argument("--budget-s", type=float, default=450.0, help="start no new case past this many seconds")
+
+
+def finish_args(args, parser):
+    common.resolve_defaults(args, DEFAULTS, QUICK)
+    if isinstance(args.heads[0], list):              # one list per --heads spec
+        args.heads = common.unique(s for spec in args.heads for s in spec)
+    if not cases(args):
+        parser.error("no case to measure: no --group-sizes divides a --shapes hidden size")
+
+
+def requirements_missing(args):
+    return common.torch_missing()
+
+
+def cases(args):
+    """The cases of a command line: the heads cases first, then the whole rows."""
+    out = []
+    if "heads" in args.layouts:
+        out += [Case("heads", t, h, args.head_dim, None, o) for t, h in args.heads for o in args.orders]
+    if "rows" in args.layouts:
+        out += [Case("rows", t, 1, w, g, o) for t, w in args.shapes for g in args.group_sizes
+                if g is None or w % g == 0 for o in args.orders]
+    return out
+
+
+def moved_bytes(op, case, itemsize):
+    """Bytes ``op`` must move at least (the weight left out): ``ARRAYS_MOVED`` arrays of x's size."""
+    return ARRAYS_MOVED[op] * case.tokens * case.heads * case.width * itemsize
+
+
+def unsupported(impl, case):
+    """Why ``impl`` cannot compute ``case``, or None."""
+    if impl == "fla" and not case.norm_before_gate:
+        return "FusedRMSNormGated normalizes before the gate only"
+    if impl == "fla" and case.group_size:
+        return "FusedRMSNormGated has no group size"
+    if impl == "hf" and case.norm_before_gate and case.group_size:
+        return "Qwen3NextRMSNormGated has no group size"
+    return None
+
+
+def availability(names):
+    """(the implementations of ``names`` that can run, in IMPLS order; {name: why not, with how
+    to install it} for the others)."""
+    missing = {}
+    for name in names:
+        why = None
+        if name in ("fla", "fla_grouped"):
+            why = common.module_missing("fla.modules", "fla-core", "fla")
+        elif name == "torch.compile" and importlib.util.find_spec("triton") is None:
+            why = f"Triton is not installed ({common.INSTALL_HINTS['triton']})"
+        elif name == "hf":
+            why = common.module_missing("transformers.models.qwen3_next.modeling_qwen3_next", "transformers",
+                                        "transformers")
+        if why:
+            missing[name] = why
+    return [n for n in IMPLS if n in names and n not in missing], missing
+
+
+# -- the report ----------------------------------------------------------------------------------
+HEADERS = ["shape", "group", "order", *IMPLS, "ours / best", "ours / copy", "max err"]
+
+
+def _worst_err(record):
+    errs = [float(v) for v in record.get("err", {}).values() if v is not None]
+    if not errs:
+        return "-"
+    return f"{float('nan') if any(math.isnan(e) for e in errs) else max(errs):.1e}"
+
+
+def table_rows(results):
+    return [[shape_text(case_of(r)), r["group_size"] or "-", r["order"], *common.timing_cells(r["us"], IMPLS, PEERS),
+             _worst_err(r)] for r in results]
+
+
+def _sections(results):
+    """{(op, mode, dtype): its records}, passes and modes in the usual order, dtypes as measured."""
+    keys = common.unique((r["op"], r["mode"], r["dtype"]) for r in results)
+    keys.sort(key=lambda k: (OPS.index(k[0]), MODES.index(k[1])))
+    return {k: [r for r in results if (r["op"], r["mode"], r["dtype"]) == k] for k in keys}
+
+
+def _title(key):
+    op, mode, dtype = key
+    return f"{OP_TITLES[op]}, {mode} mode, {dtype}: GPU microseconds per call (medians)"
+
+
+def _summary(results):
+    """Geometric mean of ours / the best peer over the cases where both ran."""
+    ratios = [r["us"]["ours"] / min(r["us"][i] for i in PEERS if r["us"].get(i)) for r in results
+              if r["us"].get("ours") and any(r["us"].get(i) for i in PEERS)]
+    return f"geomean ours / best peer: {common.geomean(ratios):.3f} over {len(ratios)} cases" if ratios else ""
+
+
+def format_report(payload):
+    meta = payload["meta"]
+    parts = [common.format_header(meta), f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s; {NOTE}"]
+    for key, rows in _sections(payload["results"]).items():
+        parts.append(f"== {_title(key)}\n" + common.render_table(HEADERS, table_rows(rows), left=(0, 2))
+                     + "\n" + _summary(rows))
+    parts.append("\n".join(common.notes(payload)))
+    return "\n\n".join(p.strip() for p in parts if p)
+
+
+def format_markdown(payload):
+    meta = payload["meta"]
+    lines = [f"# Gated RMSNorm: {(meta.get('device') or {}).get('gpu', '?')}, copy bandwidth "
+             f"{meta.get('copy_GBps', 0):.0f} GB/s", "", common.format_header(meta).replace("\n", "  \n"), "",
+             NOTE + ".", ""]
+    for key, rows in _sections(payload["results"]).items():
+        summary = _summary(rows)
+        lines += [f"## {_title(key)}", "", common.markdown_table(HEADERS, table_rows(rows)), ""]
+        lines += [summary, ""] if summary else []
+    return "\n".join(lines + [f"- {n}" for n in common.notes(payload)]) + "\n"
+
+
+def csv_table(payload):
+    errs = [i for i in IMPLS if i != "copy"]
+    header = (["op", "mode", "dtype", *Case._fields, "bytes"] + [f"{i}_us" for i in IMPLS]
+              + [f"{i}_err" for i in errs])
+    rows = [[r["op"], r["mode"], r["dtype"], *(r[f] for f in Case._fields), r["bytes"],
+             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS),
+             *(None if r["err"].get(i) is None else f"{float(r['err'][i]):.3e}" for i in errs)]
+            for r in payload["results"]]
+    return header, rows
+
+
+def write_charts(payload, stem):
+    """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per case, a panel per pass."""
+    paths = []
+    impls = [i for i in IMPLS if i != "copy"]
+    results = [r for r in payload["results"] if r["us"].get("copy")]
+    for mode, dtype in common.unique((r["mode"], r["dtype"]) for r in results):
+        groups, labels = [], []
+        for (op, m, d), rows in _sections(results).items():
+            if (m, d) != (mode, dtype):
+                continue
+            groups.append((OP_TITLES[op], {i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None
+                                               for r in rows] for i in impls}))
+            labels.append([describe(case_of(r)).replace(" ", "\n", 1) for r in rows])
+        paths += common.bar_chart(f"{stem}_{mode}_{dtype}.png", f"gated RMSNorm, {dtype}, {mode} mode: time over "
+                                  "a copy of the same bytes", groups, labels, impls)
+    return paths
+
+
+# -- the inputs and the implementations ------------------------------------------------------------
+def make_inputs(torch, case, dtype, device="cuda", seed=0):
+    """x, gate, weight, dy (and ``packed``, the buffer the heads layout's x and gate view) of a
+    case: normal values, the weight around one."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape):
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+    packed = None
+    if case.layout == "heads":   # the gate a strided view, as it comes out of a packed projection
+        n = case.heads * case.width
+        packed = normal(case.tokens, 2 * n)
+        x, gate = packed[:, :n].view(case.shape), packed[:, n:].view(case.shape)
+    else:
+        x, gate = normal(*case.shape), normal(*case.shape)
+    weight = (1 + 0.1 * torch.randn(case.width, generator=gen, device=device)).to(dtype)
+    return {"x": x, "gate": gate, "weight": weight, "dy": normal(*case.shape), "packed": packed}
+
+
+@functools.lru_cache(maxsize=None)
+def composite():
+    """The Hugging Face formula as one torch function: Qwen3NextRMSNormGated's order of casts
+    (norm-gate), Mamba2's MambaRMSNormGated's (gate-norm, groups as it does them)."""
+    import torch
+    import torch.nn.functional as F
+
+    def gated_rms_norm(x, gate, weight, group_size, norm_before_gate, eps=EPS):
+        dtype = x.dtype
+        h = x.float()
+        if not norm_before_gate:
+            h = h * F.silu(gate.float())
+        g = h if group_size is None else h.unflatten(-1, (-1, group_size))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+        h = weight * (g if group_size is None else g.flatten(-2)).to(dtype)
+        if norm_before_gate:
+            h = h * F.silu(gate.float())
+        return h.to(dtype)
+    return gated_rms_norm
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    import torch
+    peers.lift_recompile_limits()     # one graph per shape, dtype and pass
+    return torch.compile(composite(), fullgraph=True, dynamic=False)
+
+
+def _module(impl, case):
+    """A fresh module of ``impl`` for ``case`` (on the CPU, float32)."""
+    if impl == "ours":
+        from cupy_rmsnorm.torch import RMSNormGated
+        return RMSNormGated(case.width, EPS, group_size=case.group_size, norm_before_gate=case.norm_before_gate)
+    if impl == "fla":
+        from fla.modules import FusedRMSNormGated
+        return FusedRMSNormGated(case.width, eps=EPS, activation="silu")
+    if impl == "fla_grouped":
+        try:                                             # fla-core 0.6 keeps the norms in fla.modules.norm
+            from fla.modules.norm.layernorm_gated import RMSNormGated
+        except ImportError:
+            from fla.modules.layernorm_gated import RMSNormGated
+        return RMSNormGated(case.width, eps=EPS, group_size=case.group_size, norm_before_gate=case.norm_before_gate)
+    if impl == "hf" and case.norm_before_gate:
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+        return Qwen3NextRMSNormGated(case.width, eps=EPS)
+    if impl == "hf":
+        from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+        return MambaRMSNormGated(case.width, group_size=case.group_size or case.width, eps=EPS)
+    raise ValueError(f"no module for {impl!r}")
+
+
+def torch_forward(torch, impl, case, weight):
+    """(forward(x, gate) -> y, its weight: a leaf that requires grad holding ``weight``'s values)
+    of a torch implementation."""
+    if impl == "torch.compile":
+        w = weight.detach().clone().requires_grad_(True)
+        compiled = _compiled()
+        return (lambda x, gate: compiled(x, gate, w, case.group_size, case.norm_before_gate)), w
+    module = _module(impl, case).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    return module, module.weight
+
+
+def _cupy_call(op, case, inputs):
+    """ours_cupy: our functions on CuPy views of the case's torch tensors (the heads layout's
+    through the packed buffer, so the gate stays a strided view)."""
+    import cupy
+
+    import cupy_rmsnorm as rn
+
+    from .arrays import to_cupy
+    if case.layout == "heads":
+        packed = to_cupy(inputs["packed"])
+        n = packed.shape[1] // 2
+        x, gate = packed[:, :n].reshape(case.shape), packed[:, n:].reshape(case.shape)
+    else:
+        x, gate = to_cupy(inputs["x"]), to_cupy(inputs["gate"])
+    weight, dy = to_cupy(inputs["weight"]), to_cupy(inputs["dy"])
+    kw = {"group_size": case.group_size, "norm_before_gate": case.norm_before_gate}
+    out = cupy.empty(x.shape, x.dtype)
+    if op == "fwd":
+        return lambda: rn.rms_norm_gated(x, gate, weight, EPS, out=out, **kw)
+    if op == "bwd":
+        return lambda: rn.rms_norm_gated_backward(dy, x, gate, weight, EPS, **kw)
+
+    def forward_and_backward():
+        rn.rms_norm_gated(x, gate, weight, EPS, out=out, **kw)
+        return rn.rms_norm_gated_backward(dy, x, gate, weight, EPS, **kw)
+    return forward_and_backward
+
+
+def build(torch, impl, op, case, inputs):
+    """One call of ``impl``'s pass ``op`` on ``case``'s inputs as a zero-argument callable,
+    returning y (fwd) or (dx, dgate, dweight)."""
+    x, gate, weight, dy = (inputs[k] for k in ("x", "gate", "weight", "dy"))
+    if impl == "copy":
+        return quant.device_copy(torch, moved_bytes(op, case, x.element_size()))
+    if impl == "ours_cupy":
+        return _cupy_call(op, case, inputs)
+    if impl == "ours" and op in ("fwd", "bwd"):
+        import cupy_rmsnorm as rn
+        kw = {"group_size": case.group_size, "norm_before_gate": case.norm_before_gate}
+        if op == "fwd":
+            return lambda: rn.rms_norm_gated(x, gate, weight, EPS, **kw)
+        return lambda: rn.rms_norm_gated_backward(dy, x, gate, weight, EPS, **kw)
+    forward, w = torch_forward(torch, impl, case, weight)
+    if op == "fwd":
+        def call():
+            with torch.no_grad():
+                return forward(x, gate)
+        return call
+    # leaves with the inputs' strides (the gate still a view into the packed buffer)
+    xg, gg = x.detach().requires_grad_(True), gate.detach().requires_grad_(True)
+    if op == "bwd":
+        y = forward(xg, gg)            # recorded once, outside the timed calls
+        return lambda: torch.autograd.grad(y, (xg, gg, w), dy, retain_graph=True)
+    return lambda: torch.autograd.grad(forward(xg, gg), (xg, gg, w), dy)
+
+
+def disagreement(result, reference):
+    """max |result - reference| / max |reference| in float32, the worst over the outputs (NaN
+    where an output holds one). Outputs may be torch tensors or CuPy arrays."""
+    import torch
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    references = reference if isinstance(reference, (tuple, list)) else (reference,)
+    if len(results) != len(references):
+        raise ValueError(f"{len(results)} outputs where ours has {len(references)}")
+    errs = []
+    for a, b in zip(results, references):
+        if not isinstance(a, torch.Tensor):
+            from .arrays import to_torch
+            a = to_torch(a)
+        a, b = a.float(), b.float()
+        if a.shape != b.shape:
+            raise ValueError(f"an output of shape {tuple(a.shape)} where ours is {tuple(b.shape)}")
+        errs.append(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
+    return float("nan") if any(math.isnan(e) for e in errs) else max(errs)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def run(args):
+    import torch
+
+    from . import timing
+    started = time.perf_counter()
+    device = common.gpu_device()
+    impls, missing = availability(["ours"] + list(args.peers))
+    runners = {"torch": timing.TorchRunner()}
+    if any(i in CUPY_IMPLS for i in impls):
+        runners["cupy"] = timing.CupyRunner()
+    scratch = timing.Scratch() if "cold" in args.modes else None
+    bandwidth, _ = timing.copy_bandwidth_gbps()
+    todo = cases(args)
+    payload = {"meta": common.run_metadata("gated", device, copy_GBps=bandwidth, dtypes=args.dtypes, ops=args.ops,
+                                           modes=args.modes, repeats=args.repeats, target_us=args.target_us,
+                                           tolerance=TOLERANCE, cases=[c._asdict() for c in todo],
+                                           implementations={n: DESCRIPTIONS[n] for n in impls}),
+               "results": [], "errors": [], "skipped": dict(missing)}
+    common.log(f"gated on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; {len(todo)} cases x "
+               f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
+               + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
+    unsupported_counts = {}
+    interrupted = False
+    try:
+        for case in todo:
+            if time.perf_counter() - started > args.budget_s:
+                payload["skipped"][describe(case)] = f"the time budget ({args.budget_s:.0f} s)"
+                continue
+            for dtype in args.dtypes:
+                _measure_case(torch, timing, args, payload, case, dtype, impls, runners, scratch, bandwidth,
+                              unsupported_counts)
+            torch.cuda.empty_cache()
+            common.save_partial(args, payload)
+    except KeyboardInterrupt:
+        interrupted = True
+        common.log("interrupted: saving what was measured")
+    payload["meta"]["seconds"] = time.perf_counter() - started
+    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
+
+
+def _error(payload, where, e):
+    text = e if isinstance(e, str) else common.error_text(e)
+    payload["errors"].append({"where": where, "error": text})
+    common.log(f"error: {where}: {text}")
+
+
+def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runners, scratch, bandwidth, counts):
+    """Every pass, implementation and mode of one case and dtype: each implementation built and
+    checked against ours once per pass, then timed in each mode."""
+    inputs = make_inputs(torch, case, getattr(torch, dtype_name), "cuda", seed=case.tokens * 7 + case.width)
+    torch.cuda.synchronize()            # ready before the runners' streams read them
+    where = f"{dtype_name} {describe(case)}"
+    for op in args.ops:
+        nbytes = moved_bytes(op, case, inputs["x"].element_size())
+        try:   # ours' outputs, the reference of every check: y, or the backward's (dx, dgate, dweight)
+            reference = build(torch, "ours", "fwd" if op == "fwd" else "bwd", case, inputs)()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - nothing to check the others against: the next pass
+            _error(payload, f"ours {op} {where}", e)
+            continue
+        rows = {mode: {**case._asdict(), "op": op, "mode": mode, "dtype": dtype_name, "bytes": nbytes,
+                       "us": dict.fromkeys(impls), "err": {}} for mode in args.modes}
+        for impl in impls:
+            reason = unsupported(impl, case)
+            if reason:
+                key = f"{impl} ({reason})"
+                counts[key] = counts.get(key, 0) + 1
+                payload["skipped"][key] = f"{counts[key]} cases"
+                continue
+            runner = runners["cupy" if impl in CUPY_IMPLS else "torch"]
+            try:
+                with runner.context():
+                    fn = build(torch, impl, op, case, inputs)
+                result = timing.warm_up(runner, fn)
+                if impl != "copy":
+                    err = disagreement(result, reference)
+                    for row in rows.values():
+                        row["err"][impl] = err
+                    if not err <= TOLERANCE:
+                        _error(payload, f"{impl} {op} {where}", f"max |{impl} - ours| / max |ours| = {err:.2e}, "
+                               f"past the tolerance {TOLERANCE}: not timed")
+                        continue
+                del result
+                calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
+            except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
+                _error(payload, f"{impl} {op} {where}", e)
+                continue
+            for mode in args.modes:
+                try:
+                    rows[mode]["us"][impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
+                except Exception as e:  # noqa: BLE001
+                    _error(payload, f"{impl} {op} {mode} {where}", e)
+            del fn
+        for row in rows.values():
+            payload["results"].append(row)
+            common.log("  " + "  ".join(map(str, [op, row["mode"], dtype_name, *table_rows([row])[0]])))
