@@ -15,6 +15,12 @@ Every step mirrors ``kernels/rms_norm.cu``:
   is 0 (no add: a -0 weight stays -0, as in HF's ``weight * x``; ``offset_weight``).
 - the quantized forms (``rms_norm_quant`` / ``fused_add_rms_norm_quant``) quantize y as it
   stands in float32 before that final rounding (see "quantized outputs" below).
+- mixed precision: y is in O = ``out_dtype`` or x's dtype, and llama mode's intermediate
+  rounding is to O; the fused ops' residual may be float32 while x is 16-bit (a float32
+  residual stream): round(x + residual) is to the residual's dtype, and y normalizes that
+  sum's values; the weight may have any float dtype (it is used as float32).
+- gated RMSNorm (``rms_norm_gated_reference``: Gated DeltaNet, Mamba2): see "gated RMSNorm"
+  below.
 
 Batch invariance: the kernels add the squares in that same canonical tree whatever their
 launch plan (threads per row, vectors per thread, cluster, streamed or in registers, vector
@@ -37,6 +43,7 @@ import ml_dtypes
 import numpy as np
 
 CASTING_MODES = ("fp32", "llama")
+ACTIVATIONS = ("silu", "sigmoid")                        # the gated op's act(gate)
 FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)    # the smallest normal float32
 
 
@@ -68,28 +75,41 @@ def canonical_sum_of_squares(x, flush_subnormals=False):
     return level[..., 0]
 
 
-def rms_norm_reference(x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32"):
+def rms_norm_reference(x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32", *, out_dtype=None):
     """``rms_norm`` over the last axis of a NumPy array, following the contract above.
 
-    Infinities and NaNs come out as IEEE arithmetic makes them (an all-zero row with
-    eps=0 gives NaN), quietly, as from the GPU kernels: no RuntimeWarning."""
+    ``out_dtype``: y's dtype O (None: x's); llama mode rounds x * inv_rms to O before the
+    weight multiply. Infinities and NaNs come out as IEEE arithmetic makes them (an all-zero
+    row with eps=0 gives NaN), quietly, as from the GPU kernels: no RuntimeWarning."""
     with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        return _rms_norm(x, weight, eps, weight_offset, casting_mode)
+        return _rms_norm(x, weight, eps, weight_offset, casting_mode, out_dtype)
 
 
-def _rms_norm(x, weight, eps, weight_offset, casting_mode):
-    return _normalized(x, weight, eps, weight_offset, casting_mode).astype(x.dtype)
+def _rms_norm(x, weight, eps, weight_offset, casting_mode, out_dtype=None):
+    out = _out_dtype(x, out_dtype)
+    return _normalized(x, weight, eps, weight_offset, casting_mode, out).astype(out)
 
 
-def _normalized(x, weight, eps, weight_offset, casting_mode):
-    """y in float32, before the final rounding (what the quantized forms quantize)."""
-    dtype = x.dtype
+def _out_dtype(x, out_dtype):
+    """O: ``out_dtype`` as a NumPy dtype, x's dtype for None."""
+    return np.asarray(x).dtype if out_dtype is None else np.dtype(out_dtype)
+
+
+def _round_to(v, dtype):
+    """float32 v rounded to ``dtype`` (round to nearest even) and back to float32."""
+    return v.astype(dtype).astype(np.float32)
+
+
+def _normalized(x, weight, eps, weight_offset, casting_mode, round_dtype=None):
+    """y in float32, before the final rounding (what the quantized forms quantize);
+    llama mode rounds x * inv_rms to ``round_dtype`` (None: x's dtype)."""
+    dtype = x.dtype if round_dtype is None else round_dtype
     xf = np.asarray(x, dtype=np.float32)
     sumsq = canonical_sum_of_squares(xf)[..., None]
     inv_rms = np.float32(1.0) / np.sqrt(sumsq / np.float32(x.shape[-1]) + np.float32(eps))
     normed = xf * inv_rms
     if casting_mode == "llama":     # (without a weight the final rounding makes this moot)
-        normed = normed.astype(dtype).astype(np.float32)
+        normed = _round_to(normed, dtype)
     if weight is None:
         return normed
     return normed * offset_weight(weight, weight_offset)
@@ -102,11 +122,22 @@ def offset_weight(weight, weight_offset):
 
 
 def fused_add_rms_norm_reference(x, residual, weight=None, eps=1e-6, weight_offset=0.0,
-                                 casting_mode="fp32"):
-    """``(rms_norm(round(x + residual)), round(x + residual))`` in NumPy."""
+                                 casting_mode="fp32", *, out_dtype=None):
+    """``(rms_norm(round(x + residual)), round(x + residual))`` in NumPy.
+
+    The sum is ``x + residual`` in float32 rounded to the residual's dtype (x's, or float32
+    for a float32 residual stream with 16-bit x): that is residual_out, and y normalizes its
+    values, in O = ``out_dtype`` or x's dtype (llama mode rounding to O)."""
+    summed = _summed(x, residual)
+    return rms_norm_reference(summed, weight, eps, weight_offset, casting_mode,
+                              out_dtype=_out_dtype(x, out_dtype)), summed
+
+
+def _summed(x, residual):
+    """round(x + residual): the float32 sum rounded to the residual's dtype."""
+    residual = np.asarray(residual)
     with np.errstate(over="ignore", invalid="ignore"):
-        summed = (np.asarray(x, dtype=np.float32) + np.asarray(residual, dtype=np.float32)).astype(x.dtype)
-    return rms_norm_reference(summed, weight, eps, weight_offset, casting_mode), summed
+        return (np.asarray(x, dtype=np.float32) + np.asarray(residual, dtype=np.float32)).astype(residual.dtype)
 
 
 # -- quantized outputs -----------------------------------------------------------------------------
@@ -161,8 +192,15 @@ def rms_norm_quant_reference(x, weight=None, eps=1e-6, weight_offset=0.0, castin
     ``scale`` given: the static form (scales is that scale, as float32); else per token
     (scales of shape x.shape[:-1] + (1,)) or, with ``group_size``, per group of that many
     elements (scales of shape x.shape[:-1] + (hidden // group_size,), contiguous here)."""
+    return _quantized(x, weight, eps, weight_offset, casting_mode, x.dtype, scale=scale, group_size=group_size,
+                      scale_ub=scale_ub, quant_dtype=quant_dtype)
+
+
+def _quantized(x, weight, eps, weight_offset, casting_mode, round_dtype, *, scale=None, group_size=None,
+               scale_ub=None, quant_dtype="float8_e4m3fn"):
+    """``(q, scales)`` of x's normalized values, llama mode rounding to ``round_dtype``."""
     with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        y = _normalized(x, weight, eps, weight_offset, casting_mode)
+        y = _normalized(x, weight, eps, weight_offset, casting_mode, round_dtype)
     if scale is not None:
         scales = np.asarray(scale, dtype=np.float32)
         return quantize(y, scales.reshape(()), quant_dtype), scales
@@ -176,10 +214,12 @@ def rms_norm_quant_reference(x, weight=None, eps=1e-6, weight_offset=0.0, castin
 
 def fused_add_rms_norm_quant_reference(x, residual, weight=None, eps=1e-6, weight_offset=0.0,
                                        casting_mode="fp32", **quant):
-    """``(q, residual_out, scales)``: ``rms_norm_quant_reference`` of round(x + residual)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        summed = (np.asarray(x, dtype=np.float32) + np.asarray(residual, dtype=np.float32)).astype(x.dtype)
-    q, scales = rms_norm_quant_reference(summed, weight, eps, weight_offset, casting_mode, **quant)
+    """``(q, residual_out, scales)``: ``rms_norm_quant_reference`` of round(x + residual).
+
+    round(x + residual) is to the residual's dtype (a float32 residual stream: float32);
+    llama mode rounds x * inv_rms to x's dtype, as the unfused quantized form does."""
+    summed = _summed(x, residual)
+    q, scales = _quantized(summed, weight, eps, weight_offset, casting_mode, np.asarray(x).dtype, **quant)
     return q, summed, scales
 
 
@@ -187,11 +227,12 @@ def fused_add_rms_norm_quant_reference(x, residual, weight=None, eps=1e-6, weigh
 # Per row, in float32 (kernels/rms_norm_backward.cu computes the same):
 #   r = 1 / sqrt(sum(x^2) / hidden + eps), xhat = x * r, w' = weight + weight_offset,
 #   g = dy * w' (dy without a weight), dx = r * (g - xhat * mean(g * xhat));
-#   dweight = sum over rows of dy * xhat, with xhat rounded to x's dtype first in llama
-#   mode (what the forward multiplied the weight by), summed in float32 and returned in
-#   the weight's dtype.
+#   dweight = sum over rows of dy * xhat, with xhat rounded to dy's dtype D first in llama
+#   mode (D is the forward's output dtype O: what the forward multiplied the weight by; x's
+#   dtype when out_dtype was not given), summed in float32 and returned in the weight's dtype.
 # The fused op's gradient at s = round(x + residual) is rms_norm's dx at s plus the gradient
-# of residual_out, rounded once; it is the gradient of both x and residual.
+# of residual_out, rounded once, to residual_out's dtype (float32 for a float32 residual
+# stream, whatever dy's dtype); it is the gradient of both x and residual.
 
 
 def _backward_float32(dy, x, weight, eps, weight_offset, casting_mode, weight_grad=True):
@@ -208,14 +249,15 @@ def _backward_float32(dy, x, weight, eps, weight_offset, casting_mode, weight_gr
     if weight is None or not weight_grad:
         return dx, None
     if casting_mode == "llama":
-        xhat = xhat.astype(x.dtype).astype(np.float32)
+        xhat = _round_to(xhat, np.asarray(dy).dtype)
     dweight = np.sum((dyf * xhat).reshape(-1, hidden), axis=0, dtype=np.float32)
     return dx, dweight.astype(np.asarray(weight).dtype)
 
 
 def rms_norm_backward_reference(dy, x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32"):
     """``(dx, dweight)`` of ``rms_norm`` in NumPy, following the contract above (dweight
-    None when weight is None); quiet about infinities and NaNs, as the forward."""
+    None when weight is None; dx in x's dtype; dy in the forward's output dtype, which llama
+    mode's xhat is rounded to); quiet about infinities and NaNs, as the forward."""
     with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
         dx, dweight = _backward_float32(dy, x, weight, eps, weight_offset, casting_mode)
         return dx.astype(x.dtype), dweight
@@ -225,9 +267,157 @@ def fused_add_rms_norm_backward_reference(dy, d_residual_out, residual_out, weig
                                           weight_offset=0.0, casting_mode="fp32"):
     """``(d_input, dweight)`` of ``fused_add_rms_norm`` in NumPy: ``residual_out`` is the
     forward's s = round(x + residual), ``d_residual_out`` the gradient of that output (None
-    for zero); d_input is the gradient of both x and residual."""
+    for zero); d_input is the gradient of both x and residual, in residual_out's dtype (dy
+    may be in another: the forward's y dtype)."""
     with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
         dx, dweight = _backward_float32(dy, residual_out, weight, eps, weight_offset, casting_mode)
         if d_residual_out is not None:
             dx = dx + np.asarray(d_residual_out, dtype=np.float32)
         return dx.astype(residual_out.dtype), dweight
+
+
+# -- gated RMSNorm ---------------------------------------------------------------------------------
+# Gated DeltaNet, Mamba2, Nemotron-H, flash-linear-attention (kernels/rms_norm_gated.cu computes
+# the same). x and the gate z have one shape (..., hidden); weight is (hidden,) of any float
+# dtype, or None; O = out_dtype or x's dtype; round_O(v) = v rounded to O (round to nearest
+# even) and back to float32. All arithmetic float32, in exactly this order:
+#   s = 1 / (1 + exp(-z)); act = z * s (silu) or s (sigmoid);
+#   act' = s * (1 + z * (1 - s)) (silu) or s * (1 - s) (sigmoid).
+#   groups: group_size g (None: hidden; hidden a multiple of g): a row is hidden // g groups
+#   of g consecutive elements, each normalized on its own (its own r); the weight runs over
+#   the whole row (group k uses weight[k*g:(k+1)*g]).
+#   w' = offset_weight(weight, weight_offset) (w' = 1 without a weight).
+#   r(v) = 1 / sqrt(canonical_sum_of_squares(v's group) / g + eps)
+#   norm before gate (norm_before_gate=True, the default):
+#       n = x * r(x); llama: n = round_O(n); p = n * w'; llama with round_product:
+#       p = round_O(p); y = p * act
+#   gate before norm (norm_before_gate=False, Mamba2):
+#       h = x * act; n = h * r(h); llama: n = round_O(n); y = n * w'
+#   result: y rounded to O.
+#   round_product: casting_mode == "llama", a weight is given, its dtype is O and
+#   weight_offset == 0 (Hugging Face's `weight * hidden.to(dtype)` rounds in the weight's dtype).
+# Backward, per group, in float32, r from a plain np.sum of the squares (as _backward_float32):
+# D = dy's dtype (the forward's O); "xw" is xhat rounded to D in llama mode, xhat in fp32 mode.
+#   norm before gate: xhat = x * r; gx = dy * w' * act; c = sum(gx * xhat) / g;
+#       dx = r * (gx - xhat * c); p = xw * w', then round_D(p) with round_product (D for O);
+#       dgate = dy * p * act'; dweight += dy * act * xw
+#   gate before norm: h = x * act; hhat = h * r; gg = dy * w'; c = sum(gg * hhat) / g;
+#       dh = r * (gg - hhat * c); dx = dh * act; dgate = dh * x * act';
+#       dweight += dy * (llama ? round_D(hhat) : hhat)
+#   dx in x's dtype, dgate in the gate's dtype, dweight (the sum over all rows of each
+#   column's terms, in float32) in the weight's dtype, each rounded once; dweight None
+#   without a weight.
+
+
+def _group_size(hidden, group_size):
+    """g: ``group_size`` (None: hidden), which must divide hidden."""
+    g = hidden if group_size is None else int(group_size)
+    if g <= 0 or hidden % g:
+        raise ValueError(f"group_size must be a positive divisor of hidden={hidden}, got {group_size}")
+    return g
+
+
+def _activation(z, activation):
+    """(act(z), act'(z)) in float32, z float32 (see the contract above)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    one = np.float32(1)
+    s = one / (one + np.exp(-z))
+    if activation == "silu":
+        return z * s, s * (one + z * (one - s))
+    return s, s * (one - s)
+
+
+def _round_product(casting_mode, weight, weight_offset, dtype):
+    """Whether llama mode rounds n * w' to ``dtype`` too (the weight is in that dtype)."""
+    return (casting_mode == "llama" and weight is not None and np.asarray(weight).dtype == dtype
+            and weight_offset == 0)
+
+
+def _gated_inputs(x, gate, weight, weight_offset, group_size):
+    """x, z as float32 (..., groups, g), w' as (groups, g) or None, g and the row's shape."""
+    shape = np.shape(x)
+    if np.shape(gate) != shape:
+        raise ValueError(f"gate must have x's shape {shape}, got {np.shape(gate)}")
+    hidden = shape[-1]
+    g = _group_size(hidden, group_size)
+    grouped = shape[:-1] + (hidden // g, g)
+    xf = np.asarray(x, dtype=np.float32).reshape(grouped)
+    zf = np.asarray(gate, dtype=np.float32).reshape(grouped)
+    w = None if weight is None else offset_weight(weight, weight_offset).reshape(hidden // g, g)
+    return xf, zf, w, g
+
+
+def rms_norm_gated_reference(x, gate, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32", *,
+                             group_size=None, norm_before_gate=True, activation="silu", out_dtype=None):
+    """Gated ``rms_norm`` over the last axis of NumPy arrays, following the contract above:
+    ``rmsnorm(x) * w' * act(gate)`` (``norm_before_gate``) or ``rmsnorm(x * act(gate)) * w'``,
+    each of ``group_size`` consecutive elements normalized on its own, y in ``out_dtype``
+    (None: x's dtype). Quiet about infinities and NaNs, as ``rms_norm_reference``."""
+    out = _out_dtype(x, out_dtype)
+    xf, zf, w, g = _gated_inputs(x, gate, weight, weight_offset, group_size)
+    llama = casting_mode == "llama"
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
+        act, _ = _activation(zf, activation)
+        v = xf if norm_before_gate else xf * act
+        sumsq = canonical_sum_of_squares(v)[..., None]
+        inv_rms = np.float32(1.0) / np.sqrt(sumsq / np.float32(g) + np.float32(eps))
+        n = v * inv_rms
+        if llama:
+            n = _round_to(n, out)
+        p = n if w is None else n * w
+        if norm_before_gate:
+            if _round_product(casting_mode, weight, weight_offset, out):
+                p = _round_to(p, out)
+            p = p * act
+        return p.reshape(np.shape(x)).astype(out)
+
+
+def rms_norm_gated_backward_reference(dy, x, gate, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32",
+                                      *, group_size=None, norm_before_gate=True, activation="silu"):
+    """``(dx, dgate, dweight)`` of ``rms_norm_gated`` in NumPy, following the contract above:
+    dy in the forward's output dtype (llama mode's roundings are to it), dx in x's dtype,
+    dgate in the gate's dtype, dweight in the weight's dtype (None without a weight). Quiet
+    about infinities and NaNs, as the forward."""
+    shape = np.shape(x)
+    hidden = shape[-1]
+    xf, zf, w, g = _gated_inputs(x, gate, weight, weight_offset, group_size)
+    if np.shape(dy) != shape:
+        raise ValueError(f"dy must have x's shape {shape}, got {np.shape(dy)}")
+    d_dtype = np.asarray(dy).dtype
+    dyf = np.asarray(dy, dtype=np.float32).reshape(xf.shape)
+    llama = casting_mode == "llama"
+    gsize = np.float32(g)
+
+    def group_sum(v):
+        return np.sum(v, axis=-1, keepdims=True, dtype=np.float32)
+
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
+        act, dact = _activation(zf, activation)
+        gw = dyf if w is None else dyf * w
+        if norm_before_gate:
+            inv_rms = np.float32(1.0) / np.sqrt(group_sum(xf * xf) / gsize + np.float32(eps))
+            xhat = xf * inv_rms
+            gx = gw * act
+            c = group_sum(gx * xhat) / gsize
+            dx = inv_rms * (gx - xhat * c)
+            xw = _round_to(xhat, d_dtype) if llama else xhat
+            p = xw if w is None else xw * w
+            if _round_product(casting_mode, weight, weight_offset, d_dtype):
+                p = _round_to(p, d_dtype)
+            dgate = dyf * p * dact
+            dw_terms = dyf * act * xw
+        else:
+            h = xf * act
+            inv_rms = np.float32(1.0) / np.sqrt(group_sum(h * h) / gsize + np.float32(eps))
+            hhat = h * inv_rms
+            c = group_sum(gw * hhat) / gsize
+            dh = inv_rms * (gw - hhat * c)
+            dx = dh * act
+            dgate = dh * xf * dact
+            dw_terms = dyf * (_round_to(hhat, d_dtype) if llama else hhat)
+        dweight = None
+        if weight is not None:
+            dweight = np.sum(dw_terms.reshape(-1, hidden), axis=0, dtype=np.float32).astype(np.asarray(weight).dtype)
+        return (dx.reshape(shape).astype(np.asarray(x).dtype), dgate.reshape(shape).astype(np.asarray(gate).dtype),
+                dweight)
