@@ -175,7 +175,7 @@ def _(x, weight, scale, eps, weight_offset, casting_mode, group_size, scale_ub, 
 @fused_add_rms_norm_quant.register_fake
 def _(x, residual, weight, scale, eps, weight_offset, casting_mode, group_size, scale_ub, quant_dtype):
     q, scales = _fake_quant(x, residual, weight, scale, group_size, scale_ub, quant_dtype)
-    return q, torch.empty_like(x, memory_format=torch.contiguous_format), scales
+    return q, torch.empty(x.shape, dtype=residual.dtype, device=x.device), scales
 
 
 @fused_add_rms_norm_quant_inplace.register_fake

@@ -241,7 +241,7 @@ def _require_cuda(found):
 # The decoder layers fuse_residual rewrites: exactly these children (Llama, Mistral, Qwen2/3
 # and other models generated from Llama's layer), and a forward of Llama's arguments.
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_LAYER_ARGUMENTS = {"self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
+_LAYER_ARGUMENTS = {"self", "hidden_states", "attention_mask", "position_ids", "past_key_values", "cache",
                     "use_cache", "cache_position", "position_embeddings", "kwargs"}
 
 

@@ -9,9 +9,9 @@
 // weight runs over the whole row): the kernels see the groups as rows. Numerics (the contract
 // in cupy_rmsnorm/_reference.py): float32 throughout, the sum of squares in the canonical tree
 // (reduce.cuh, so a group's bits depend on the group alone); kLlama rounds like the Hugging
-// Face modules: x * inv_rms to T (and with kRoundProduct, its product with the weight, as
-// `weight * hidden.to(dtype)` in the weight's dtype), then the gate in float32, one rounding
-// to the output type O at the end.
+// Face modules: x * inv_rms to the output type O (and with kRoundProduct, its product with the
+// weight, as `weight * hidden.to(dtype)` in the weight's dtype), then the gate in float32, one
+// rounding to O at the end. The backward rounds as the forward did, to dy's type D (= O).
 //
 // Rows are on the vector grid (the launcher lowers VEC until every group starts on it and
 // holds whole vectors: no scalar head or tail). VECS_PER_THREAD > 0 keeps a group's x and z
@@ -96,10 +96,10 @@ __device__ __forceinline__ Pack<O, VEC> gated_vector(const Pack<T, VEC>& a, cons
         const float g = activation<ACT>(z[e]);
         float y;
         if (GATE_FIRST) {
-            y = normalized<T>(x[e] * g, inv_rms, wv[e], flags);
+            y = normalized<O>(x[e] * g, inv_rms, wv[e], flags);
         } else {
-            float p = normalized<T>(x[e], inv_rms, wv[e], flags);
-            if (flags & kRoundProduct) p = to_float(from_float<T>(p));
+            float p = normalized<O>(x[e], inv_rms, wv[e], flags);
+            if (flags & kRoundProduct) p = to_float(from_float<O>(p));
             y = p * g;
         }
         o.v[e] = from_float<O>(y);
@@ -265,14 +265,14 @@ struct GatedElement {
                 const float dh = inv_rms * (dy[e] * wv[e] - hhat * c);
                 dx.v[e] = from_float<T>(dh * a);
                 dz.v[e] = from_float<T>(dh * x[e] * da);
-                dw[e] = dy[e] * xhat_for_weight<T>(h, inv_rms, flags);
+                dw[e] = dy[e] * xhat_for_weight<D>(h, inv_rms, flags);
             } else {
                 const float xhat = x[e] * inv_rms, g = dy[e] * wv[e] * a;
                 dx.v[e] = from_float<T>(inv_rms * (g - xhat * c));
-                float prod = normalized<T>(x[e], inv_rms, wv[e], flags);     // what the forward gated
-                if (flags & kRoundProduct) prod = to_float(from_float<T>(prod));
+                float prod = normalized<D>(x[e], inv_rms, wv[e], flags);     // what the forward gated
+                if (flags & kRoundProduct) prod = to_float(from_float<D>(prod));
                 dz.v[e] = from_float<T>(dy[e] * prod * da);
-                dw[e] = dy[e] * a * xhat_for_weight<T>(x[e], inv_rms, flags);
+                dw[e] = dy[e] * a * xhat_for_weight<D>(x[e], inv_rms, flags);
             }
         }
     }

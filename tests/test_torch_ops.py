@@ -17,9 +17,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 OPS = torch.ops.cupy_rmsnorm
 SCHEMAS = {
     "rms_norm": "cupy_rmsnorm::rms_norm(Tensor x, Tensor? weight, float eps, float weight_offset, "
-                "str casting_mode) -> Tensor",
+                "str casting_mode, ScalarType? out_dtype=None) -> Tensor",
     "fused_add_rms_norm": "cupy_rmsnorm::fused_add_rms_norm(Tensor x, Tensor residual, Tensor? weight, "
-                          "float eps, float weight_offset, str casting_mode) -> (Tensor, Tensor)",
+                          "float eps, float weight_offset, str casting_mode, ScalarType? out_dtype=None) "
+                          "-> (Tensor, Tensor)",
+    "rms_norm_gated": "cupy_rmsnorm::rms_norm_gated(Tensor x, Tensor gate, Tensor? weight, float eps, "
+                      "float weight_offset, str casting_mode, SymInt? group_size, bool norm_before_gate, "
+                      "str activation, ScalarType? out_dtype) -> Tensor",
+    "rms_norm_gated_backward": "cupy_rmsnorm::rms_norm_gated_backward(Tensor dy, Tensor x, Tensor gate, "
+                               "Tensor? weight, float eps, float weight_offset, str casting_mode, SymInt? group_size, "
+                               "bool norm_before_gate, str activation, bool weight_grad) -> (Tensor, Tensor, Tensor)",
     "fused_add_rms_norm_inplace": "cupy_rmsnorm::fused_add_rms_norm_inplace(Tensor(a0!) x, Tensor(a1!) residual, "
                                   "Tensor? weight, float eps, float weight_offset, str casting_mode) -> ()",
 }
@@ -55,8 +62,14 @@ def test_fake_implementations_check_like_the_real_path():
         x = torch.empty(2, 64, dtype=torch.float16)
         with pytest.raises(ValueError, match=r"^weight must have shape \(64,\)"):
             OPS.rms_norm(x, torch.empty(32, dtype=torch.float16), 1e-6, 0.0, "fp32")
-        with pytest.raises(TypeError, match=r"^residual must have x's dtype"):
-            OPS.fused_add_rms_norm(x, torch.empty(2, 64), None, 1e-6, 0.0, "fp32")
+        with pytest.raises(TypeError, match=r"^residual must have dtype float16 \(x's dtype or float32\)"):
+            OPS.fused_add_rms_norm(x, torch.empty(2, 64, dtype=torch.bfloat16), None, 1e-6, 0.0, "fp32")
+        y, s = OPS.fused_add_rms_norm(x, torch.empty(2, 64), None, 1e-6, 0.0, "fp32", torch.bfloat16)
+        assert y.dtype == torch.bfloat16 and s.dtype == torch.float32      # a float32 residual stream
+        gate = torch.empty(2, 64, dtype=torch.float16)
+        assert OPS.rms_norm_gated(x, gate, None, 1e-6, 0.0, "fp32", 32, True, "silu", None).dtype == torch.float16
+        with pytest.raises(ValueError, match=r"^group_size=48 needs a hidden size"):
+            OPS.rms_norm_gated(x, gate, None, 1e-6, 0.0, "fp32", 48, True, "silu", None)
         with pytest.raises(TypeError, match=r"^x must be float32, float16 or bfloat16"):
             OPS.rms_norm(torch.empty(2, 64, dtype=torch.float64), None, 1e-6, 0.0, "fp32")
 

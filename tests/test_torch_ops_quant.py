@@ -59,8 +59,12 @@ def test_fake_implementations_check_like_the_real_path():
             OPS.rms_norm_quant(x, None, None, 1e-6, 0.0, "fp32", None, None, "float8_e4m3fnuz")
         with pytest.raises(TypeError, match=r"^scale must be a float32 array"):
             OPS.rms_norm_quant(x, None, torch.empty(1, dtype=torch.float16), 1e-6, 0.0, "fp32", None, None, "int8")
-        with pytest.raises(TypeError, match=r"^residual must have x's dtype"):
-            OPS.fused_add_rms_norm_quant(x, torch.empty(2, 200), None, None, 1e-6, 0.0, "fp32", None, None, "int8")
+        with pytest.raises(TypeError, match=r"^residual must have dtype float16 \(x's dtype or float32\)"):
+            OPS.fused_add_rms_norm_quant(x, torch.empty(2, 200, dtype=torch.bfloat16), None, None, 1e-6, 0.0, "fp32",
+                                         None, None, "int8")
+        q, s, scales = OPS.fused_add_rms_norm_quant(x, torch.empty(2, 200), None, None, 1e-6, 0.0, "fp32", None,
+                                                    None, "int8")
+        assert s.dtype == torch.float32           # a float32 residual stream
 
 
 CASES = ["token", "static", "group", "token out=", "fused", "fused in place", "fused out=", "group scales_out="]

@@ -42,33 +42,45 @@ def test_x_dtype_rejected(dtype):
         rn.fused_add_rms_norm(x, x)
 
 
-@pytest.mark.parametrize("arg", ["residual", "out", "residual_out"])
-def test_companion_dtype_must_match_x(arg):
+@pytest.mark.parametrize("arg,dtype,message", [
+    ("residual", BF16, r"^residual must have dtype float16 \(x's dtype or float32\), got bfloat16"),
+    ("out", np.float32, r"^out must have dtype float16 \(out_dtype, or x's dtype\), got float32"),
+    ("residual_out", np.float32, r"^residual_out must have dtype float16 \(the residual's dtype\), got float32")])
+def test_companion_dtype_rules(arg, dtype, message):
+    """The residual may be x's dtype or float32 (a float32 residual stream); residual_out has
+    the residual's dtype, out the output dtype (out_dtype, or x's)."""
     x = rand((3, 8))
     kw = {"residual": rand((3, 8)), "out": poisoned((3, 8)), "residual_out": poisoned((3, 8))}
-    kw[arg] = kw[arg].astype(np.float32)
-    with pytest.raises(TypeError, match=rf"^{arg} must have x's dtype float16, got float32"):
+    kw[arg] = kw[arg].astype(dtype)
+    with pytest.raises(TypeError, match=message):
         rn.fused_add_rms_norm(x, **kw)
     if arg == "out":
-        with pytest.raises(TypeError, match=r"^out must have x's dtype"):
+        with pytest.raises(TypeError, match=r"^out must have dtype float16"):
             rn.rms_norm(x, out=kw["out"])
+        assert rn.rms_norm(x, out=kw["out"], out_dtype="float32") is kw["out"]
 
 
-@pytest.mark.parametrize("x_dtype, w_dtype", [
-    (np.float16, BF16), (BF16, np.float16), (np.float32, np.float16), (np.float16, np.float64),
-    (np.float32, np.float64), (np.float16, np.int8)])
+def test_a_float32_residual_stream_is_accepted():
+    x = rand((3, 8))
+    r = rand((3, 8)).astype(np.float32)
+    y, s = rn.fused_add_rms_norm(x, r)
+    assert y.dtype == x.dtype and s.dtype == np.float32
+    assert np.array_equal(s, x.astype(np.float32) + r)
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(np.float16, np.float64), (np.float32, np.float64), (np.float16, np.int8)])
 def test_weight_dtype_rejected(x_dtype, w_dtype):
     x = rand((3, 8), x_dtype)
     w = np.ones(8, w_dtype)
-    with pytest.raises(TypeError, match=r"^weight must have x's dtype .* or float32"):
+    with pytest.raises(TypeError, match=r"^weight must be float32, float16 or bfloat16"):
         rn.rms_norm(x, w)
-    with pytest.raises(TypeError, match=r"^weight must have"):
+    with pytest.raises(TypeError, match=r"^weight must be"):
         rn.fused_add_rms_norm(x, x.copy(), w)
 
 
 @pytest.mark.parametrize("x_dtype, w_dtype", [
     (np.float16, np.float16), (np.float16, np.float32), (BF16, BF16), (BF16, np.float32),
-    (np.float32, np.float32)])
+    (np.float32, np.float32), (np.float16, BF16), (BF16, np.float16), (np.float32, np.float16)])
 def test_weight_dtype_accepted(x_dtype, w_dtype):
     x = rand((3, 8), x_dtype)
     w = np.linspace(0.5, 2, 8).astype(w_dtype)
