@@ -1,7 +1,7 @@
 """GPU tests of the quantized forms (rms_norm_quant, fused_add_rms_norm_quant) against the NumPy
 reference (cupy_rmsnorm/_reference.py), bit for bit where the contract is exact.
 
-Needs a CUDA GPU (on the H200: ``python3 -m pytest -n 8 tests/test_gpu_quant.py``); skipped,
+Needs a CUDA GPU (on the H200: ``python3 -m pytest -n 8 tests/gpu/test_gpu_quant.py``); skipped,
 with the reason shown, everywhere else.
 
 Where the contract is exact, and where it is not:
