@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Runs tests/sanitize_grid.py (the forward), tests/sanitize_backward_grid.py (the backward)
-# and tests/sanitize_quant_grid.py (the quantized forms) under compute-sanitizer's memcheck,
-# racecheck and initcheck and prints one summary line per tool and grid; exits non-zero if
-# any tool or grid failed.
+# Runs scripts/sanitize/forward_grid.py (the forward), scripts/sanitize/backward_grid.py (the
+# backward) and scripts/sanitize/quant_grid.py (the quantized forms) under compute-sanitizer's
+# memcheck, racecheck and initcheck and prints one summary line per tool and grid; exits
+# non-zero if any tool or grid failed.
 #
 #     scripts/sanitize.sh                 # from anywhere; needs a GPU and compute-sanitizer
 #     SANITIZE_LOG_DIR=dir scripts/sanitize.sh   # keep the full logs there (default: a temp dir)
-#     SANITIZE_GRIDS=sanitize_backward_grid scripts/sanitize.sh   # one grid only
+#     SANITIZE_GRIDS=backward_grid scripts/sanitize.sh   # one grid only (forward_grid,
+#         backward_grid, quant_grid; the old names sanitize_grid, sanitize_backward_grid and
+#         sanitize_quant_grid still select them and name their summary lines and log files)
 #     SANITIZE_TOOLS="memcheck racecheck" scripts/sanitize.sh     # some tools only
 #     PYTHON=python3.12 SANITIZER_FLAGS="..." scripts/sanitize.sh
 #
@@ -37,7 +39,18 @@ api_flag=""
 
 status=0
 summary=()
-for grid_name in ${SANITIZE_GRIDS:-sanitize_grid sanitize_backward_grid sanitize_quant_grid}; do
+for grid_name in ${SANITIZE_GRIDS:-forward_grid backward_grid quant_grid}; do
+case "$grid_name" in      # the names of the grids' old places (tests/sanitize_*.py)
+    sanitize_grid) script=forward_grid ;;
+    sanitize_backward_grid) script=backward_grid ;;
+    sanitize_quant_grid) script=quant_grid ;;
+    *) script=$grid_name ;;
+esac
+if [ ! -f "scripts/sanitize/$script.py" ]; then
+    echo "sanitize: no grid scripts/sanitize/$script.py" >&2
+    summary+=("$grid_name: FAIL (no such grid)"); status=1
+    continue
+fi
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     quick=""
     [ "$tool" = racecheck ] && quick="--quick"
@@ -45,11 +58,11 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     start=$(date +%s)
     # shellcheck disable=SC2086  # the unquoted ones are flag lists (or nothing) on purpose
     "$SAN" --tool "$tool" --error-exitcode 1 $api_flag ${SANITIZER_FLAGS:-} \
-        "$PY" "tests/$grid_name.py" $quick >"$log" 2>&1
+        "$PY" "scripts/sanitize/$script.py" $quick >"$log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     errors=$(grep -E "ERROR SUMMARY" "$log" | tail -1 | sed -E 's/^=+ *//')
-    grid=$(grep -E "^$grid_name:" "$log" | tail -1)
+    grid=$(grep -E "^$script:" "$log" | tail -1)
     if [ "$rc" -eq 0 ]; then verdict=PASS; else verdict="FAIL (exit $rc)"; status=1; fi
     summary+=("$grid_name $tool: $verdict; ${errors:-no sanitizer summary}; ${grid:-grid did not finish}; ${secs}s")
     if [ "$rc" -ne 0 ]; then

@@ -2,10 +2,19 @@
 ``pip install ".[cuda12,test]" && pytest -q tests``), or the source tree where it comes
 first on the path (``PYTHONPATH=$PWD``, as the GPU scripts run it). The header says
 which (with -q, the last lines).
+
+Layout: ``tests/cpu/`` needs no GPU, ``tests/gpu/`` needs a CUDA GPU (its conftest skips
+every test there, with the reason, where there is none). ``helpers.py`` and
+``gpu_reference.py`` stay here, shared by both: this folder goes on ``sys.path`` so that
+test modules in either folder ``import helpers`` (test modules never import each other).
 """
 
-import pytest
-from helpers import gpu_missing
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 def _imported():
@@ -20,13 +29,3 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter, config):
     if config.get_verbosity() < 0:      # -q shows no header: say it at the end
         terminalreporter.write_line(_imported())
-
-
-@pytest.fixture
-def free_gpu_memory():
-    """Gives CuPy's memory pool back after the test: eight xdist workers share one GPU
-    (the GPU suites use it for every test)."""
-    yield
-    if gpu_missing() is None:
-        import cupy
-        cupy.get_default_memory_pool().free_all_blocks()

@@ -1,5 +1,6 @@
 """Float64 references, bit-level checks, random inputs and calls on the GPU, for the GPU
-suites (tests/test_gpu_*.py).
+suites (tests/gpu/) and the sanitizer grids (scripts/sanitize/); and the quantized forms'
+comparisons with the NumPy reference (the bytes, the scales, their tolerances).
 
 The reference follows the numerics contract of cupy_rmsnorm/_reference.py, computed in
 float64 instead of float32: the fused op normalizes the residual sum *after* it was
@@ -23,6 +24,7 @@ from helpers import (EPS, FLOAT32_RTOL, FUSED, MANTISSA_BITS, MIN_SPACING, NOISE
                      ULP_REL)
 
 import cupy_rmsnorm as rn
+from cupy_rmsnorm import _reference as R
 from cupy_rmsnorm.bench.arrays import (BFLOAT16, NAN_BITS, UINT, bits, from_float32, poison,  # noqa: F401
                                        to_float32, to_float64)
 
@@ -221,3 +223,81 @@ def call(op, x, res, w, mode="fp32", out=None, res_out=None, eps=EPS, weight_off
         return rn.fused_add_rms_norm(x, res, w, eps, out=out, residual_out=res_out,
                                      weight_offset=weight_offset, casting_mode=mode)
     return rn.rms_norm(x, w, eps, out=out, weight_offset=weight_offset, casting_mode=mode), None
+
+
+# -- the quantized forms: comparisons with the NumPy reference ---------------------------------
+
+FLOAT32_REL = 2.0 ** -19      # scales: a few float32 ulps
+NEAR_TIE = 2.0 ** -17         # y * inv this close (relative) to a rounding boundary: either side
+# llama mode rounds x * inv_rms to the dtype before the weight: where that value sits at a
+# rounding midpoint, the GPU's rsqrtf and the reference's 1 / sqrt may round it apart, which
+# moves y (and a row's amax, so its scale) by one step of the dtype
+LLAMA_NEAR = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+MAX_NEAR_TIES = {"int8": 1e-2}   # of the bytes (int8's steps are coarse: more values lie near one)
+MAX_NEAR_TIES_FP8 = 1e-3
+
+
+def qdtype(quant_dtype):
+    return R.QUANT_DTYPES[quant_dtype][0]
+
+
+def q_bits(q):
+    """A device q (uint8 / int8 / torch FP8) as host uint8."""
+    if not isinstance(q, cp.ndarray):          # torch
+        import torch
+        q = cp.from_dlpack(q.contiguous().view(torch.uint8))
+    return cp.asnumpy(cp.ascontiguousarray(q)).view(np.uint8)
+
+
+def boundaries_apart(v, quant_dtype, near=NEAR_TIE):
+    """Where v (float32 values about to be quantized) lies ``near`` (relative) or more from a
+    rounding boundary: quantizing v (1 -+ near) gives the same code."""
+    lo = R.quantize(v * np.float32(1 - near), np.float32(1), quant_dtype)
+    hi = R.quantize(v * np.float32(1 + near), np.float32(1), quant_dtype)
+    return lo.view(np.uint8) == hi.view(np.uint8)
+
+
+def compare_q(got_bits, y, scales, quant_dtype, exact, near=NEAR_TIE):
+    """None if the bytes ``got_bits`` are the quantization of ``y`` by ``scales`` (the kernel's;
+    broadcast), exactly or (``exact`` False) but for near ties (``near``, relative) within one
+    step; else why not."""
+    want = R.quantize(y, scales, quant_dtype)
+    want_bits = want.view(np.uint8)
+    got = got_bits.view(qdtype(quant_dtype)).astype(np.float32)
+    same = (got_bits == want_bits) | (np.isnan(got) & np.isnan(want.astype(np.float32)))
+    if exact:
+        bad = ~same
+    else:
+        with np.errstate(all="ignore"):
+            v = np.clip(y * (np.float32(1) / np.asarray(scales, np.float32)), -1e38, 1e38).astype(np.float32)
+        apart = boundaries_apart(v, quant_dtype, near)
+        step = np.abs(got_bits.view(np.int8 if quant_dtype == "int8" else np.uint8).astype(np.int16)
+                      - want_bits.view(np.int8 if quant_dtype == "int8" else np.uint8).astype(np.int16))
+        near = ~same & ~apart
+        bad = (~same & apart) | (near & (step > 1))
+        cap = MAX_NEAR_TIES.get(quant_dtype, MAX_NEAR_TIES_FP8)
+        if near.mean() > cap:
+            return f"{int(near.sum())} of {near.size} bytes at near ties (more than {cap:g})"
+    if bad.any():
+        i = tuple(int(k) for k in np.argwhere(bad)[0])
+        return (f"{int(bad.sum())} of {bad.size} bytes off (first at {i}: got {got_bits[i]:#04x} "
+                f"({got[i]!r}), want {want_bits[i]:#04x}; y {y[i]!r})")
+    return None
+
+
+def compare_scales(got, want, exact, rel=FLOAT32_REL):
+    got = cp.asnumpy(cp.ascontiguousarray(got)) if isinstance(got, cp.ndarray) else np.asarray(got)
+    if got.shape != want.shape:
+        return f"scales shape {got.shape} != {want.shape}"
+    ok = got == want if exact else np.abs(got - want) <= rel * np.abs(want)
+    if not ok.all():
+        i = tuple(int(k) for k in np.argwhere(~ok)[0])
+        return f"{int((~ok).sum())} scales off (first at {i}: got {got[i]!r}, want {want[i]!r})"
+    return None
+
+
+def tolerances(mode, dtype_name):
+    """(near-tie window for the bytes, relative tolerance of the scales) of a random call."""
+    if mode == "llama":
+        return max(NEAR_TIE, LLAMA_NEAR[dtype_name]), max(FLOAT32_REL, LLAMA_NEAR[dtype_name])
+    return NEAR_TIE, FLOAT32_REL

@@ -142,6 +142,33 @@ def tiny_llama(layers, hidden, vocab=1000, heads=4, kv_heads=2, device="cuda", d
     return model
 
 
+# -- tracing the registered torch ops (CPU; needs torch, imported here only when called) ----
+def trace_graphs(fn, *args):
+    """Compile ``fn`` with fullgraph=True (a graph break fails) and a backend that records
+    the graph and runs it on fake tensors (no GPU needed); returns the graphs."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*inputs):
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                return gm(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inputs])
+        return run
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return graphs
+
+
+def op_calls(graphs):
+    """The cupy_rmsnorm ops the graphs call, in order."""
+    return [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"
+            and "cupy_rmsnorm" in str(n.target)]
+
+
 # -- the docs' code blocks ----------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_FILES = ("README.md", "docs/design.md", "docs/numerics.md", "docs/performance.md")

@@ -1,7 +1,7 @@
 """Batch invariance on the GPU: a row's outputs are the same bits whatever else is in the call.
 
 Needs a CUDA GPU; skipped, with the reason shown, everywhere else. Run on the H200 with
-``python3 -m pytest -n 8 tests/test_gpu_invariance.py``.
+``python3 -m pytest -n 8 tests/gpu/test_gpu_invariance.py``.
 
 The contract (cupy_rmsnorm/_reference.py): every row that starts on the vector grid of the
 call (no scalar head) is summed in the canonical tree of its hidden size, so its y (and the

@@ -1,15 +1,16 @@
 """The quantized forms' registered torch ops on the CPU: schemas, fake implementations (dtypes,
 shapes, the scales' strides, the real path's checks) and tracing of the public functions as
 one op under torch.compile(fullgraph=True). The GPU side (opcheck, compiled against eager,
-CUDA graphs) is in test_gpu_quant.py."""
+CUDA graphs) is in tests/gpu/test_gpu_quant.py."""
 
 import pytest
+from helpers import op_calls as _op_calls
+from helpers import trace_graphs as _trace
 
 torch = pytest.importorskip("torch", reason="torch op tests: torch is not installed")
 
 import cupy_rmsnorm as rn  # noqa: E402
 import cupy_rmsnorm.torch  # noqa: E402,F401 - registers the ops
-from test_torch_ops import _op_calls, _trace  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 OPS = torch.ops.cupy_rmsnorm

@@ -1,6 +1,6 @@
 """A small, representative grid of backward calls for compute-sanitizer (scripts/sanitize.sh).
 
-    PYTHONPATH=$PWD python3 tests/sanitize_backward_grid.py [--quick]
+    PYTHONPATH=$PWD python3 scripts/sanitize/backward_grid.py [--quick]
 
 Covers every launch shape of cupy_rmsnorm.backward_plan (warp groups sharing a block, a
 block per row with the row in registers, the same for no more rows than SMs (one row a
@@ -14,7 +14,7 @@ a device of SANITIZE_SMS multiprocessors, so that with few rows every row group 
 over several rows (the per-row barriers and the dweight sums carried from row to row are
 what racecheck and initcheck must see).
 
-As in sanitize_grid.py every array is its own cudaMalloc and every view ends where its
+As in forward_grid.py every array is its own cudaMalloc and every view ends where its
 allocation ends; the library's outputs and workspace are never initialized, so initcheck
 sees a read of an element not yet written. Results are checked against the NumPy
 reference on the host. Exit status: 0 all right; 3 a result was wrong; 4 a launch shape
@@ -27,7 +27,7 @@ import sys
 
 import cupy as cp
 import numpy as np
-from sanitize_grid import DTYPES, MODES, WEIGHTS, make_input, to_device, to_host
+from forward_grid import DTYPES, MODES, WEIGHTS, make_input, to_device, to_host   # puts tests/ on sys.path
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _cache, _driver, _plan
@@ -131,16 +131,16 @@ def main():
     cp.cuda.Device().synchronize()
     looping = [p for p in plans if p.rows_per_block > p.groups_per_block]
     if not looping:
-        print("sanitize_backward_grid: no block looped over rows", flush=True)
+        print("backward_grid: no block looped over rows", flush=True)
         return 4
     seen = launch_shapes(plans)
     shapes = sorted({s for s, _ in seen})
-    print(f"sanitize_backward_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
+    print(f"backward_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
           f"vector widths {sorted({v for _, v in seen})}", flush=True)
     if wrong:
         return 3
     if set(shapes) != SHAPES | (STAGED_SHAPES if device.shared_per_sm else set()):
-        print("sanitize_backward_grid: the grid missed a launch shape", flush=True)
+        print("backward_grid: the grid missed a launch shape", flush=True)
         return 4
     return 0
 

@@ -1,7 +1,7 @@
 """The GPU correctness grid: the CuPy path against a float64 reference on the GPU, over
 every op, dtype, hidden size, row count, casting mode, weight, layout and placement.
 
-Needs a CUDA GPU (run on the H200 with ``python3 -m pytest -n 8 tests/test_gpu_grid.py``);
+Needs a CUDA GPU (run on the H200 with ``python3 -m pytest -n 8 tests/gpu/test_gpu_grid.py``);
 skipped, with the reason shown, everywhere else. The reference (tests/gpu_reference.py)
 follows the numerics contract of cupy_rmsnorm/_reference.py in float64.
 

@@ -1,6 +1,6 @@
 """A small, representative grid of calls for compute-sanitizer (scripts/sanitize.sh).
 
-    PYTHONPATH=$PWD python3 tests/sanitize_grid.py [--quick]
+    PYTHONPATH=$PWD python3 scripts/sanitize/forward_grid.py [--quick]
 
 Covers every launch shape of cupy_rmsnorm.launch_plan (a warp group per row, a block per
 row with the row in registers, a streamed block per row, a cluster of blocks per row),
@@ -25,15 +25,19 @@ Exit status: 0 all results right; 3 a result was wrong; 4 the grid missed a laun
 
 import argparse
 import itertools
+import os
 import sys
 
-import cupy as cp
-import numpy as np
-from gpu_reference import to_device, to_host
-from helpers import DTYPES, HOST_ATOL, HOST_RTOL, MODES, OPS
+# tests/helpers.py and tests/gpu_reference.py, shared with the GPU tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
 
-import cupy_rmsnorm as rn
-from cupy_rmsnorm import _cache, _driver, _plan
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+from gpu_reference import to_device, to_host  # noqa: E402
+from helpers import DTYPES, HOST_ATOL, HOST_RTOL, MODES, OPS  # noqa: E402
+
+import cupy_rmsnorm as rn  # noqa: E402
+from cupy_rmsnorm import _cache, _driver, _plan  # noqa: E402
 
 WEIGHTS = ((None, 0.0), ("same", 0.0), ("float32", 1.0), ("same", 1.0), ("float32", 0.0))
 HIDDEN = (1, 7, 1000, 4095, 33001)   # warp groups; block per row (both widths); clusters
@@ -135,12 +139,12 @@ def main():
     seen = launch_shapes(plans)
     shapes = sorted({s for s, _ in seen})
     widths = sorted({v for _, v in seen})
-    print(f"sanitize_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
+    print(f"forward_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
           f"vector widths {widths}", flush=True)
     if wrong:
         return 3
     if set(shapes) != SHAPES:
-        print("sanitize_grid: the grid missed a launch shape", flush=True)
+        print("forward_grid: the grid missed a launch shape", flush=True)
         return 4
     return 0
 

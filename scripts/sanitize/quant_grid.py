@@ -1,7 +1,7 @@
 """A small, representative grid of quantized calls for compute-sanitizer (scripts/sanitize.sh,
-``SANITIZE_GRIDS=sanitize_quant_grid``).
+``SANITIZE_GRIDS=quant_grid``).
 
-    PYTHONPATH=$PWD python3 tests/sanitize_quant_grid.py [--quick]
+    PYTHONPATH=$PWD python3 scripts/sanitize/quant_grid.py [--quick]
 
 Covers the quantized forms (static, per-token, per-128-group) of both ops over every launch
 shape of launch_plan (warp groups, a block per row in registers, streamed, clusters), the
@@ -11,9 +11,10 @@ turns, weights of x's dtype / float32 / none, rows at odd element offsets (q at 
 or apart: width 1), strided rows, (tokens, heads, head_dim) views, given q / scales_out /
 in-place residual, and grids split into rows of blocks (at 8 blocks instead of 2**31).
 
-As in sanitize_grid.py every array is its own cudaMalloc, every view ends where its allocation
+As in forward_grid.py every array is its own cudaMalloc, every view ends where its allocation
 ends, the library's own outputs are never initialized, and results are checked on the host
-against the NumPy reference (within one FP8 step at near ties, tests/test_gpu_quant.py).
+against the NumPy reference (within one FP8 step at near ties: tests/gpu_reference.py's
+comparisons, as tests/gpu/test_gpu_quant.py checks).
 Exit status: 0 all right; 3 a result was wrong; 4 a launch shape was missed.
 """
 
@@ -23,10 +24,9 @@ import sys
 
 import cupy as cp
 import numpy as np
-from gpu_reference import to_device, to_host
+from forward_grid import launch_shapes, make_input   # puts tests/ on sys.path
+from gpu_reference import compare_q, compare_scales, to_device, to_host, tolerances
 from helpers import DTYPES
-from sanitize_grid import launch_shapes, make_input
-from test_gpu_quant import compare_q, compare_scales, tolerances
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _cache, _plan
@@ -116,12 +116,12 @@ def main():
     seen = launch_shapes(plans)
     shapes = sorted({s for s, _ in seen})
     widths = sorted({v for _, v in seen})
-    print(f"sanitize_quant_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
+    print(f"quant_grid: {calls} calls, {wrong} wrong; launch shapes {'/'.join(shapes)}; "
           f"vector widths {widths}", flush=True)
     if wrong:
         return 3
     if set(shapes) != SHAPES:
-        print("sanitize_quant_grid: the grid missed a launch shape", flush=True)
+        print("quant_grid: the grid missed a launch shape", flush=True)
         return 4
     return 0
 

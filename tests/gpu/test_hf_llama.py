@@ -3,7 +3,7 @@
 A small randomly initialized model (nothing downloaded), bfloat16 on CUDA: the logits
 with this library's norms must match the original LlamaRMSNorm modules within bfloat16
 tolerance, and 32 greedily generated tokens must be identical. Skips with the reason
-without a GPU, torch or transformers. ``pytest -rP tests/test_hf_llama.py`` shows the
+without a GPU, torch or transformers. ``pytest -rP tests/gpu/test_hf_llama.py`` shows the
 measured differences.
 """
 

@@ -1,7 +1,7 @@
 """GPU tests of the backward: the kernels against a float64 reference, determinism, torch
 autograd through the registered ops (eager and torch.compile), opcheck.
 
-Needs a CUDA GPU (run on the H200 with ``python3 -m pytest -n 8 tests/test_gpu_backward.py``);
+Needs a CUDA GPU (run on the H200 with ``python3 -m pytest -n 8 tests/gpu/test_gpu_backward.py``);
 skipped, with the reason shown, everywhere else.
 
 test_grid: one item per (op, dtype, hidden); op is ``rms_norm``, ``fused`` (the fused op's

@@ -1,7 +1,7 @@
 """GPU tests of the quantized forms (rms_norm_quant, fused_add_rms_norm_quant) against the NumPy
 reference (cupy_rmsnorm/_reference.py), bit for bit where the contract is exact.
 
-Needs a CUDA GPU (on the H200: ``python3 -m pytest -n 8 tests/test_gpu_quant.py``); skipped,
+Needs a CUDA GPU (on the H200: ``python3 -m pytest -n 8 tests/gpu/test_gpu_quant.py``); skipped,
 with the reason shown, everywhere else.
 
 Where the contract is exact, and where it is not:
@@ -14,7 +14,8 @@ Where the contract is exact, and where it is not:
 - Elsewhere (test_random) y may differ by a few float32 ulps: scales agree within FLOAT32_REL,
   and each byte equals the reference quantization of the reference y by the kernel's own scale
   unless that value lies within NEAR_TIE (relative) of a rounding boundary, where either
-  neighbour is allowed (one FP8 step); such bytes must be rare (MAX_NEAR_TIES).
+  neighbour is allowed (one FP8 step); such bytes must be rare (MAX_NEAR_TIES; these limits and
+  the comparisons are in tests/gpu_reference.py).
 Every call also checks residual_out bit for bit, that nothing outside the output views was
 written (their buffers are poisoned), and the returned types; layouts: 2d, 3d, strided rows,
 a flat buffer sliced at element offset 1, two heads of a (tokens, 4, head_dim) buffer; outputs
@@ -35,7 +36,7 @@ from cupy_rmsnorm import _abi, _cache, _reference as R
 
 if gpu_missing() is None:
     import cupy as cp
-    from gpu_reference import to_device, to_host
+    from gpu_reference import compare_q, compare_scales, q_bits, to_device, to_host, tolerances
 
 pytestmark = [requires_gpu, pytest.mark.usefixtures("free_gpu_memory")]
 
@@ -50,22 +51,10 @@ LAYOUTS = ("2d", "3d", "strided", "offset", "heads")
 LEAD = {"2d": 1, "3d": 2, "strided": 1, "offset": 1, "heads": 2}
 MAX_ELEMENTS = 2 ** 22        # rows are capped to this many elements per array
 BIG_ELEMENTS = 2 ** 20        # past this, two layouts per shape (rotating)
-FLOAT32_REL = 2.0 ** -19      # scales: a few float32 ulps
-NEAR_TIE = 2.0 ** -17         # y * inv this close (relative) to a rounding boundary: either side
-# llama mode rounds x * inv_rms to the dtype before the weight: where that value sits at a
-# rounding midpoint, the GPU's rsqrtf and the reference's 1 / sqrt may round it apart, which
-# moves y (and a row's amax, so its scale) by one step of the dtype
-LLAMA_NEAR = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
-MAX_NEAR_TIES = {"int8": 1e-2}   # of the bytes (int8's steps are coarse: more values lie near one)
-MAX_NEAR_TIES_FP8 = 1e-3
 
 
 def _seed(*parts):
     return zlib.crc32("-".join(map(str, parts)).encode())
-
-
-def qdtype(quant_dtype):
-    return R.QUANT_DTYPES[quant_dtype][0]
 
 
 # -- arrays in layouts -----------------------------------------------------------------------------
@@ -107,63 +96,6 @@ class Placed:
         return bool(np.array_equal(to_host(self.buf).view(u)[mask], self.host_buf.view(u)[mask]))
 
 
-# -- comparisons -------------------------------------------------------------------------------
-
-def q_bits(q):
-    """A device q (uint8 / int8 / torch FP8) as host uint8."""
-    if not isinstance(q, cp.ndarray):          # torch
-        import torch
-        q = cp.from_dlpack(q.contiguous().view(torch.uint8))
-    return cp.asnumpy(cp.ascontiguousarray(q)).view(np.uint8)
-
-
-def boundaries_apart(v, quant_dtype, near=NEAR_TIE):
-    """Where v (float32 values about to be quantized) lies ``near`` (relative) or more from a
-    rounding boundary: quantizing v (1 -+ near) gives the same code."""
-    lo = R.quantize(v * np.float32(1 - near), np.float32(1), quant_dtype)
-    hi = R.quantize(v * np.float32(1 + near), np.float32(1), quant_dtype)
-    return lo.view(np.uint8) == hi.view(np.uint8)
-
-
-def compare_q(got_bits, y, scales, quant_dtype, exact, near=NEAR_TIE):
-    """None if the bytes ``got_bits`` are the quantization of ``y`` by ``scales`` (the kernel's;
-    broadcast), exactly or (``exact`` False) but for near ties (``near``, relative) within one
-    step; else why not."""
-    want = R.quantize(y, scales, quant_dtype)
-    want_bits = want.view(np.uint8)
-    got = got_bits.view(qdtype(quant_dtype)).astype(np.float32)
-    same = (got_bits == want_bits) | (np.isnan(got) & np.isnan(want.astype(np.float32)))
-    if exact:
-        bad = ~same
-    else:
-        with np.errstate(all="ignore"):
-            v = np.clip(y * (np.float32(1) / np.asarray(scales, np.float32)), -1e38, 1e38).astype(np.float32)
-        apart = boundaries_apart(v, quant_dtype, near)
-        step = np.abs(got_bits.view(np.int8 if quant_dtype == "int8" else np.uint8).astype(np.int16)
-                      - want_bits.view(np.int8 if quant_dtype == "int8" else np.uint8).astype(np.int16))
-        near = ~same & ~apart
-        bad = (~same & apart) | (near & (step > 1))
-        cap = MAX_NEAR_TIES.get(quant_dtype, MAX_NEAR_TIES_FP8)
-        if near.mean() > cap:
-            return f"{int(near.sum())} of {near.size} bytes at near ties (more than {cap:g})"
-    if bad.any():
-        i = tuple(int(k) for k in np.argwhere(bad)[0])
-        return (f"{int(bad.sum())} of {bad.size} bytes off (first at {i}: got {got_bits[i]:#04x} "
-                f"({got[i]!r}), want {want_bits[i]:#04x}; y {y[i]!r})")
-    return None
-
-
-def compare_scales(got, want, exact, rel=FLOAT32_REL):
-    got = cp.asnumpy(cp.ascontiguousarray(got)) if isinstance(got, cp.ndarray) else np.asarray(got)
-    if got.shape != want.shape:
-        return f"scales shape {got.shape} != {want.shape}"
-    ok = got == want if exact else np.abs(got - want) <= rel * np.abs(want)
-    if not ok.all():
-        i = tuple(int(k) for k in np.argwhere(~ok)[0])
-        return f"{int((~ok).sum())} scales off (first at {i}: got {got[i]!r}, want {want[i]!r})"
-    return None
-
-
 # -- inputs -----------------------------------------------------------------------------------
 
 def exact_inputs(rng, fused, shape, dtype):
@@ -203,13 +135,6 @@ def weight_of(rng, kind, hidden, dtype, exact):
         return None
     w = rng.standard_normal(hidden) * (np.exp2(rng.integers(-6, 7, hidden)) if exact else 0.3) + (0 if exact else 1)
     return w.astype(dtype if kind == "same" else np.float32)
-
-
-def tolerances(mode, dtype_name):
-    """(near-tie window for the bytes, relative tolerance of the scales) of a random call."""
-    if mode == "llama":
-        return max(NEAR_TIE, LLAMA_NEAR[dtype_name]), max(FLOAT32_REL, LLAMA_NEAR[dtype_name])
-    return NEAR_TIE, FLOAT32_REL
 
 
 # -- one call ---------------------------------------------------------------------------------
