@@ -23,7 +23,7 @@ from . import _cache, _interop, _validate
 from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
 from ._launcher import (BackwardLauncher, GatedBackwardLauncher, GatedLauncher, Launcher, MixedBackward,
                         MixedLauncher, QuantLauncher)
-from ._layout import (OUT, OUTPUTS, RESIDUAL_OUT, SCALE, SCALES, Arrays, BackwardArrays, GatedArrays, GatedBackwardArrays,
+from ._layout import (OUT, OUTPUTS, RESIDUAL_OUT, SCALE, SCALES, Arrays, GatedArrays, GatedBackwardArrays,
                       QuantArrays, backward_layout, call_layout, gated_backward_layout, gated_layout, new_scales,
                       quant_layout)
 from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_quant_reference,

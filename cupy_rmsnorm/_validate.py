@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ._abi import ACTIVATIONS
-from ._layout import OUT, OUTPUTS, RESIDUAL, RESIDUAL_OUT, ROWS, WEIGHT, X, Arrays
+from ._layout import OUT, OUTPUTS, RESIDUAL, RESIDUAL_OUT, WEIGHT, X, Arrays
 from ._reference import CASTING_MODES, GROUP_SIZES, QUANT_DTYPES
 
 DTYPES = ("float32", "float16", "bfloat16")

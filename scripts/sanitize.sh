@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Runs scripts/sanitize/forward_grid.py (the forward), scripts/sanitize/backward_grid.py (the
-# backward) and scripts/sanitize/quant_grid.py (the quantized forms) under compute-sanitizer's
+# backward), scripts/sanitize/quant_grid.py (the quantized forms) and
+# scripts/sanitize/gated_grid.py (gated RMSNorm, mixed precision) under compute-sanitizer's
 # memcheck, racecheck and initcheck and prints one summary line per tool and grid; exits
 # non-zero if any tool or grid failed.
 #
 #     scripts/sanitize.sh                 # from anywhere; needs a GPU and compute-sanitizer
 #     SANITIZE_LOG_DIR=dir scripts/sanitize.sh   # keep the full logs there (default: a temp dir)
-#     SANITIZE_GRIDS=backward_grid scripts/sanitize.sh   # one grid only (forward_grid,
-#         backward_grid, quant_grid; the old names sanitize_grid, sanitize_backward_grid and
-#         sanitize_quant_grid still select them and name their summary lines and log files)
+#     SANITIZE_GRIDS=backward_grid scripts/sanitize.sh   # some grids only (forward_grid,
+#         backward_grid, quant_grid, gated_grid)
 #     SANITIZE_TOOLS="memcheck racecheck" scripts/sanitize.sh     # some tools only
 #     PYTHON=python3.12 SANITIZER_FLAGS="..." scripts/sanitize.sh
 #
@@ -39,13 +39,8 @@ api_flag=""
 
 status=0
 summary=()
-for grid_name in ${SANITIZE_GRIDS:-forward_grid backward_grid quant_grid}; do
-case "$grid_name" in      # the names of the grids' old places (tests/sanitize_*.py)
-    sanitize_grid) script=forward_grid ;;
-    sanitize_backward_grid) script=backward_grid ;;
-    sanitize_quant_grid) script=quant_grid ;;
-    *) script=$grid_name ;;
-esac
+for grid_name in ${SANITIZE_GRIDS:-forward_grid backward_grid quant_grid gated_grid}; do
+script=$grid_name
 if [ ! -f "scripts/sanitize/$script.py" ]; then
     echo "sanitize: no grid scripts/sanitize/$script.py" >&2
     summary+=("$grid_name: FAIL (no such grid)"); status=1

@@ -136,7 +136,7 @@ def _mangled_prefix(dtype, weight, fused, plan):
     w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"   # S1_: substitution, W == T
     ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E"
                    for a in plan.template_args())
-    return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}EE".encode()
+    return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}".encode()   # then the defaulted types R, O
 
 
 def _nvrtc_version():

@@ -55,7 +55,7 @@ def _mangled(dtype, weight, fused, plan, form, quant_dtype):
     flat = () if plan.cluster > 1 else ("true" if plan.flat else "false",)
     ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E"
                    for a in plan.template_args() + (QUANT_FORMS[form], QUANT_TYPES[quant_dtype]) + flat)
-    return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}EE".encode()
+    return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}".encode()   # then the defaulted type R
 
 
 @functools.cache
