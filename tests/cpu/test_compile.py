@@ -116,14 +116,16 @@ def _mangled_prefix(dtype, weight, fused, plan):
     kernel = instantiation_name(dtype, weight, fused, plan).split("<")[0].split("::")[-1]
     t, w = CUDA_TYPES[dtype], CUDA_TYPES[weight or dtype]
     w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"   # S1_: substitution, W == T
-    return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{template_ints(plan.template_args())}EE".encode()
+    ints = template_ints(plan.template_args())
+    return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}EE".encode()
 
 
 # -- the programs, one list for the tests and for the run's start (tests/cpu/conftest.py) ------
 
 def _instantiation_programs(arch, dtype):
     """[(pairs, program kwargs)]: this run's instantiations in programs of up to BATCH."""
-    return [(chunk, dict(names=[e for e, _ in chunk], arch=arch)) for chunk in chunks(instantiations(dtype, arch), BATCH)]
+    return [(chunk, dict(names=[e for e, _ in chunk], arch=arch))
+            for chunk in chunks(instantiations(dtype, arch), BATCH)]
 
 
 def _heaviest_per_variant(dtype):

@@ -4,13 +4,15 @@ By default, for sm_90, a representative set: per storage dtype, every geometry b
 makes (warp groups of 8..32 threads with one or two vectors, blocks of 128..1024 threads, the
 streamed block) at full vector width with edges, and a sample at the narrower widths and
 without edges, with weights of x's dtype and float32; for sm_80, sm_100 and sm_120 a
-cross-section of it (per dtype one of each (group kind, edges), the weight types by turns); the three
-dweight reductions everywhere. The heaviest instantiation of each variant compiles with the
-library's own options for every architecture. ``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every
-instantiation the launcher can make, for every architecture.
+cross-section of it (per dtype one of each (group kind, edges), the weight types by turns);
+all in fast mode. The three dweight reductions compile everywhere, and the heaviest plan of
+each variant (registers, stream, row) with the library's own options for every architecture
+(every dtype on sm_90, one by turns on the others). ``CUPY_RMSNORM_COMPILE_ALL=1`` compiles
+every instantiation the launcher can make, for every architecture.
 The register, staged and row variants are also compiled with ptxas -v at the library's
-options (sm_90): they must not spill (the plan's geometry was chosen for that); the staged
-and row ones compile for the other architectures too (fast mode).
+options (sm_90): they must not spill (the plan's geometry was chosen for that; float16 and
+bfloat16, which have the same plans, take them by turns); the staged and row ones compile
+for the other architectures too (fast mode, a cross-section).
 """
 
 import functools
@@ -97,7 +99,8 @@ def instantiations(dtype, arch=FULL_ARCH):
 
 
 def _reductions():
-    return sorted((reduce_instantiation_name(w), f"_ZN7rmsnorm31rms_norm_backward_reduce_kernelI{MANGLED[c]}EE".encode())
+    return sorted((reduce_instantiation_name(w),
+                   f"_ZN7rmsnorm31rms_norm_backward_reduce_kernelI{MANGLED[c]}EE".encode())
                   for w, c in CUDA_TYPES.items())
 
 
@@ -166,7 +169,8 @@ def test_heaviest_instantiations_compile_with_library_options(arch):
     heaviest plan of each variant (every dtype on sm_90, one by turns on the others)."""
     names = _heaviest_program(arch)["names"]
     assert len(names) == 3 * len(heaviest_dtypes(arch))
-    assert {n.split("<")[0] for n in names} == {"rmsnorm::rms_norm_backward_kernel", "rmsnorm::rms_norm_backward_row_kernel"}
+    assert {n.split("<")[0] for n in names} == {"rmsnorm::rms_norm_backward_kernel",
+                                                 "rmsnorm::rms_norm_backward_row_kernel"}
     cubin = compile_program(**_heaviest_program(arch)).result().get()
     symbols = set(re.findall(KERNEL_SYMBOL, cubin))
     assert len(symbols) == len(names), "one kernel per name expression"
@@ -358,7 +362,8 @@ def test_the_16_bit_dtypes_share_the_spill_checks():
     sixteen = ("float16", "bfloat16")
     assert {args(n).rsplit(", ", 1)[0] for d in sixteen for n in row_names(d)} == \
         {", ".join(map(str, p.template_args())) for p in row_chosen("float16")}
-    assert {args(n) for d in sixteen for n in staged_names(d)} == {", ".join(map(str, a)) for a in staged_plans("float16")}
+    assert {args(n) for d in sixteen for n in staged_names(d)} == \
+        {", ".join(map(str, a)) for a in staged_plans("float16")}
 
 
 def compile_jobs():
@@ -373,13 +378,15 @@ def compile_jobs():
         jobs += [("test_backward_instantiations_compile", dict(arch=arch, dtype=dtype), kwargs)
                  for dtype in CUDA_TYPES for _, kwargs in _instantiation_programs(arch, dtype)]
         jobs += [("test_reductions_compile", dict(arch=arch), _reduction_program(arch)),
-                 ("test_heaviest_instantiations_compile_with_library_options", dict(arch=arch), _heaviest_program(arch))]
+                 ("test_heaviest_instantiations_compile_with_library_options", dict(arch=arch),
+                  _heaviest_program(arch))]
     if not arch_missing("sm_90"):
         for dtype in CUDA_TYPES:
             jobs += [("test_register_variants_do_not_spill", {}, kwargs)
                      for kwargs in _spill_programs(register_variant_names(dtype))]
+            staged, rows = staged_names(dtype), row_names(dtype)
             jobs += [("test_staged_variants_compile_without_spills", dict(dtype=dtype), kwargs)
-                     for kwargs in _spill_programs(staged_names(dtype)) + other_arch_programs(staged_names(dtype), staged_key)]
+                     for kwargs in _spill_programs(staged) + other_arch_programs(staged, staged_key)]
             jobs += [("test_row_variants_compile_without_spills", dict(dtype=dtype), kwargs)
-                     for kwargs in _spill_programs(row_names(dtype)) + other_arch_programs(row_names(dtype), row_flags)]
+                     for kwargs in _spill_programs(rows) + other_arch_programs(rows, row_flags)]
     return jobs

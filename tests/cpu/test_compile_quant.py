@@ -110,7 +110,8 @@ def instantiations(dtype, arch=FULL_ARCH):
 
 
 def _instantiation_programs(arch, dtype):
-    return [(chunk, dict(names=[e for e, _ in chunk], arch=arch)) for chunk in chunks(instantiations(dtype, arch), BATCH)]
+    return [(chunk, dict(names=[e for e, _ in chunk], arch=arch))
+            for chunk in chunks(instantiations(dtype, arch), BATCH)]
 
 
 @pytest.mark.parametrize("dtype", list(CUDA_TYPES))
