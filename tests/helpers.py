@@ -3,6 +3,8 @@ the reason shown on skip). Needs neither CuPy nor a GPU to import."""
 
 import functools
 import os
+import re
+import threading
 import zlib
 
 import ml_dtypes
@@ -167,6 +169,264 @@ def op_calls(graphs):
     """The cupy_rmsnorm ops the graphs call, in order."""
     return [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"
             and "cupy_rmsnorm" in str(n.target)]
+
+
+# -- NVRTC compile tests (tests/cpu/test_compile*.py) -----------------------------------------
+# Compiled without a GPU through CuPy's low-level NVRTC binding (_compile.compile_offline),
+# for each architecture of COMPILE_ARCHS that the installed NVRTC supports: FULL_ARCH gets the
+# representative sets, the others a cross-section of them; CUPY_RMSNORM_COMPILE_ALL=1 compiles
+# every instantiation the launcher can make, for every architecture.
+COMPILE_ALL = os.environ.get("CUPY_RMSNORM_COMPILE_ALL") == "1"
+COMPILE_ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")   # Ampere, Hopper, Blackwell (B200, RTX 50)
+FULL_ARCH = "sm_90"
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+VECS = {"float32": (1, 2, 4), "float16": (1, 2, 4, 8), "bfloat16": (1, 2, 4, 8)}   # up to 16 bytes
+SMS = 132
+MAX_CLUSTER = 8
+# Vectors per row (hidden // vec) at each boundary of launch_plan: groups of 8..1024 threads
+# with 1, 2 or 4 vectors each, then streaming. Times each vec, these hidden sizes reach every
+# plan the launcher makes (test_compile.py's test_enumeration_is_complete checks that against
+# a full scan).
+VECTOR_COUNTS = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025,
+                 2048, 2049, 4096, 4097, 100_000)
+HIDDEN_SIZES = sorted({n * v for n in VECTOR_COUNTS for v in (1, 2, 4, 8)}
+                      | {1, 7, 255, 1000, 4095, 4096, 5120, 8192, 16384, 65536, 262144})
+# Row counts in each of the heuristic's regimes: few rows (clusters of 8, 4, 2 blocks per
+# row on 132 SMs, then one block per row up to 256 rows) and many rows.
+ROWS = (1, 30, 60, 100, 257, 10 ** 6)
+PLAN_KINDS = ("warp group", "block", "stream", "block cluster", "stream cluster")
+# C++ type -> its Itanium mangling (float is a builtin; the others are class names)
+MANGLED = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}
+# NVRTC >= 12.8: the same front end, template instantiation and ptxas, fewer optimizations
+# (about a third of the time per instantiation)
+FAST_COMPILE = ("--Ofast-compile=max",)
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_missing():
+    """None when NVRTC and the CUDA headers are usable, else why not."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except Exception as e:  # noqa: BLE001 - any import failure means no NVRTC
+        return f"CuPy's NVRTC binding is not importable ({type(e).__name__}: {e})"
+    try:
+        major, _ = nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001
+        return f"NVRTC library not found ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12"
+    from cupy_rmsnorm import _compile
+    if not _compile.cuda_include_dirs(major):
+        return "no CUDA headers (cuda_bf16.h) found; pip install nvidia-cuda-runtime-cu12"
+    return None
+
+
+def nvrtc_version():
+    from cupy_backends.cuda.libs import nvrtc
+    return tuple(nvrtc.getVersion())
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_archs():
+    """The compute capabilities the installed NVRTC compiles for (nvrtcGetSupportedArchs:
+    CuPy's getSupportedArchs), or None where CuPy cannot ask."""
+    from cupy_backends.cuda.libs import nvrtc
+    try:
+        return tuple(int(a) for a in nvrtc.getSupportedArchs())
+    except Exception:  # noqa: BLE001 - an older CuPy or NVRTC: arch_missing tries a compile
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def arch_missing(arch):
+    """None when the installed NVRTC compiles for ``arch`` ("sm_90"), else why not: NVRTC's
+    own list where CuPy can ask for it, else a compile of an empty kernel."""
+    reason = nvrtc_missing()
+    if reason:
+        return reason
+    version = ".".join(map(str, nvrtc_version()))
+    archs = nvrtc_archs()
+    if archs is not None:
+        if int(arch.split("_")[1]) in archs:
+            return None
+        return f"NVRTC {version} does not compile for {arch} (it does for sm_{', sm_'.join(map(str, archs))})"
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram("extern \"C\" __global__ void probe() {}", "probe.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"-arch={arch}"])
+    except Exception as e:  # noqa: BLE001
+        return f"NVRTC {version} does not compile for {arch} ({type(e).__name__}: {str(e)[:200]})"
+    finally:
+        nvrtc.destroyProgram(prog)
+    return None
+
+
+def requires_arch(arch):
+    """A skip mark for a test that compiles for ``arch``, with the reason."""
+    reason = arch_missing(arch)
+    return pytest.mark.skipif(reason is not None, reason=f"NVRTC compile test ({arch}): {reason}")
+
+
+def arch_params(archs=COMPILE_ARCHS):
+    """``archs`` as parameters, each skipped with the reason where NVRTC cannot compile for it."""
+    return [pytest.param(a, id=a, marks=requires_arch(a)) for a in archs]
+
+
+def plan_kind(plan):
+    """Which code path of the kernels a forward (or quantized) plan takes (one of PLAN_KINDS)."""
+    shape = "stream" if plan.vecs_per_thread == 0 else "warp group" if plan.threads_per_row <= 32 else "block"
+    return shape + (" cluster" if plan.cluster > 1 else "")
+
+
+def template_ints(args):
+    """The mangled template arguments after the types (ints and bools)."""
+    return "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E" for a in args)
+
+
+def by_turns(items, key, turn=0):
+    """One item per value of ``key(item)``: of the i-th group (groups sorted by key, members
+    in ``items``' order) the (turn + i)-th member, cyclically, so that the groups take
+    different members, and so do different turns."""
+    groups = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return [group[(turn + i) % len(group)]
+            for i, (_, group) in enumerate(sorted(groups.items(), key=lambda kv: repr(kv[0])))]
+
+
+def chunks(items, size):
+    """``items`` in runs of equal length (one more in the first ones), up to ``size`` each."""
+    items = list(items)
+    if not items:
+        return []
+    n = -(-len(items) // size)
+    base, extra = divmod(len(items), n)
+    bounds = [i * base + min(i, extra) for i in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+class CompiledProgram:
+    """What compile_offline gave for one program: the cubin and NVRTC's log, or the error."""
+
+    def __init__(self, cubin=None, log="", error=None):
+        self.cubin, self.log, self.error = cubin, log, error
+
+    def get(self):
+        """The cubin; an AssertionError with NVRTC's message where the compile failed."""
+        if self.error is not None:
+            raise AssertionError(f"{type(self.error).__name__}: {str(self.error)[:20000]}")
+        assert isinstance(self.cubin, bytes) and len(self.cubin) > 0
+        return self.cubin
+
+
+_compile_pool = None
+_compile_jobs = {}
+_compile_lock = threading.Lock()
+_CORES = max(2, os.cpu_count() or 2)
+# programs compiling at once: all cores but one while other tests run, then every core
+_compile_slots = threading.Semaphore(_CORES - 1)
+_every_core = []
+
+
+def compile_program(names, arch, program="forward", fast=True, extra_options=()):
+    """A future of one NVRTC program (a CompiledProgram): the name expressions ``names`` of
+    ``program`` for ``arch``, in fast-compile mode or with exactly the library's own options
+    (``fast=False``), plus ``extra_options``. Programs run in a pool of threads (NVRTC
+    releases the GIL) shared by all compile tests, each program once per session:
+    tests/cpu/conftest.py hands the selected tests' programs to the pool when the run
+    starts, and runs those tests last, so the compiles overlap the other tests (on all cores
+    but one until the compile tests start: compile_on_every_core)."""
+    global _compile_pool
+    options = (FAST_COMPILE if fast and nvrtc_version() >= (12, 8) else ()) + tuple(extra_options)
+    key = (tuple(names), arch, program, options)
+    with _compile_lock:
+        future = _compile_jobs.get(key)
+        if future is None:
+            if _compile_pool is None:
+                import concurrent.futures
+                _compile_pool = concurrent.futures.ThreadPoolExecutor(_CORES, thread_name_prefix="nvrtc")
+            future = _compile_jobs[key] = _compile_pool.submit(_compile_one, list(names), arch, program, options)
+    return future
+
+
+def _compile_one(names, arch, program, options):
+    from cupy_rmsnorm import _compile
+    log = []
+    with _compile_slots:
+        try:
+            cubin = _compile.compile_offline(names, arch, program, options, log)
+        except Exception as e:  # noqa: BLE001 - reported by the test that owns the program
+            return CompiledProgram(error=e)
+    return CompiledProgram(cubin, log[0].replace("\0", "") if log else "")
+
+
+def compile_on_every_core():
+    """From now on programs compile on every core (the compile tests are running: the main
+    thread only waits for them)."""
+    with _compile_lock:
+        if not _every_core:
+            _every_core.append(True)
+            _compile_slots.release()
+
+
+def check_symbols(cubin, pairs, symbol_pattern):
+    """Every name expression of (name, mangled prefix) ``pairs`` lowered to a kernel of the
+    cubin, one kernel each (``symbol_pattern``: a bytes regex of the program's kernel names)."""
+    symbols = set(re.findall(symbol_pattern, cubin))
+    assert len(symbols) == len(pairs), "one kernel per name expression"
+    for expr, prefix in pairs:
+        assert any(s.startswith(prefix) for s in symbols), f"no lowered kernel for {expr} ({prefix!r})"
+
+
+def ptxas_entries(log, entry=r"\w+", registers=False):
+    """ptxas -v's report per compiled entry function: (the groups of ``entry``..., spill store
+    bytes[, registers used])."""
+    pattern = rf"Compiling entry function '({entry})'.*?(\d+) bytes spill stores"
+    if registers:
+        pattern += r".*?Used (\d+) registers"
+    return re.findall(pattern, log, re.S)
+
+
+def start_compiles(jobs):
+    """Hands ``jobs`` (compile_program's keyword arguments) to the pool, the costliest first
+    (programs of the library's own options, quantized and backward kernels take longer), so
+    that the last ones to finish are short."""
+    def cost(job):
+        per = 1.0 if job.get("fast", True) else 3.0
+        if job.get("program") == "backward" or any("quant" in n for n in job["names"][:1]):
+            per *= 2
+        return per * (len(job["names"]) + 2)
+    for job in sorted(jobs, key=cost, reverse=True):
+        compile_program(**job)
+
+
+def stop_compiles():
+    """Drops the programs not yet started (the session is over; an interrupted run exits
+    without waiting for them)."""
+    with _compile_lock:
+        if _compile_pool is not None:
+            _compile_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def spill_turns(dtype, count):
+    """[(i, weight types)]: which of a spill check's ``count`` plans (sorted) are compiled for
+    ``dtype``, with which weights. With CUPY_RMSNORM_COMPILE_ALL=1 every plan with both weight
+    types; by default float32 takes every plan, float16 and bfloat16 (the same plans, the same
+    16-bit registers) take them by turns, and the weight types alternate (float32, x's dtype)
+    over the plans each dtype takes."""
+    if COMPILE_ALL:
+        return [(i, tuple(dict.fromkeys((dtype, "float32")))) for i in range(count)]
+    return [(i, (("float32", dtype)[(i // 2) % 2],)) for i in range(count)
+            if dtype == "float32" or i % 2 == (dtype == "bfloat16")]
+
+
+def heaviest_dtypes(arch):
+    """The storage dtypes whose heaviest instantiations compile with the library's own options
+    for ``arch``: all on FULL_ARCH (or with CUPY_RMSNORM_COMPILE_ALL=1), one by turns on each
+    of the others."""
+    dtypes = list(DTYPES)
+    if COMPILE_ALL or arch == FULL_ARCH:
+        return dtypes
+    others = [a for a in COMPILE_ARCHS if a != FULL_ARCH]
+    return [dtypes[others.index(arch) % len(dtypes)]]
 
 
 # -- the docs' code blocks ----------------------------------------------------------------------

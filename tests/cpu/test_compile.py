@@ -4,72 +4,46 @@ CuPy's own compile path asks the device for its architecture; ``compile_offline`
 through CuPy's low-level NVRTC binding with an explicit ``-arch`` and the CUDA headers of
 the ``nvidia-cuda-runtime-cu12`` wheel, so this runs on CPU-only CI (which installs
 ``nvidia-cuda-runtime-cu12`` and ``nvidia-cuda-nvrtc-cu12``). Without CuPy, NVRTC or the
-headers the tests skip and say why.
+headers the tests skip and say why; so does each architecture of ``helpers.COMPILE_ARCHS``
+(sm_80, sm_90, sm_100, sm_120) that the installed NVRTC cannot compile for.
 
-What is compiled: by default a representative set, for sm_80 and sm_90: every storage
-dtype, op (fused or not), vector width, plan kind (warp group, block, streamed block,
-cluster, streamed cluster) and edges true / false, with each (op, vector width, plan
-kind) compiled with both weight types (x's dtype and float32) - about 440
-instantiations. ``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every distinct instantiation
-the launcher can make instead (about 4,600; several CPU minutes).
+What is compiled: by default, for sm_90, a representative set: every storage dtype, op
+(fused or not), vector width, plan kind (warp group, block, streamed block, cluster,
+streamed cluster) and edges true / false, with each (op, vector width, plan kind) compiled
+with both weight types (x's dtype and float32) - 220 instantiations; for sm_80, sm_100 and
+sm_120 a cross-section of it: per dtype one instantiation of each (op, plan kind, edges),
+the vector widths taken by turns (60 each, every vector width on each). The heaviest
+instantiation of each variant compiles with exactly the library's own options for every
+architecture (every dtype on sm_90, one by turns on the others), and the register variants
+go through ptxas -v at sm_90 (no spills; the 16-bit dtypes and the weight types by turns).
+``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every distinct instantiation the launcher can make
+(about 2,300) for every architecture, the heaviest of every dtype for every architecture
+with the library's options, and every register variant of every dtype with both weight
+types for the spill check.
 
-Cost: NVRTC takes ~0.1 s per program, then per instantiation ~0.3 s with the library's
-options or ~0.07 s with ``--Ofast-compile=max`` (NVRTC >= 12.8: the same front end,
+Cost: NVRTC takes ~0.1-0.3 s per program, then per instantiation ~0.3 s with the library's
+options or ~0.1 s with ``--Ofast-compile=max`` (NVRTC >= 12.8: the same front end,
 template instantiation and ptxas, fewer optimizations), three quarters of it in ptxas.
-So the set is compiled in fast mode, many instantiations to a program, programs in
-parallel threads (NVRTC releases the GIL). The heaviest instantiations (most registers
-per thread) are also compiled with exactly the library's own options.
+So the sets compile in fast mode, many instantiations to a program, programs in parallel
+threads (NVRTC releases the GIL; ``helpers.compile_program``), started when the run starts
+(tests/cpu/conftest.py) so that they overlap the other tests.
 """
 
-import concurrent.futures
 import functools
-import os
-import re
 
 import pytest
+from helpers import (COMPILE_ALL, COMPILE_ARCHS, FULL_ARCH, HIDDEN_SIZES, ITEMSIZE, MANGLED, MAX_CLUSTER, PLAN_KINDS,
+                     ROWS, SMS, VECS, arch_missing, arch_params, by_turns, check_symbols, chunks, compile_program,
+                     heaviest_dtypes, nvrtc_archs, nvrtc_missing, nvrtc_version, plan_kind, ptxas_entries,
+                     spill_turns, template_ints)
 
 from cupy_rmsnorm import _compile, launch_plan
 from cupy_rmsnorm._abi import CUDA_TYPES, instantiation_name
 
-ARCHS = ("sm_80", "sm_90")
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-VECS = {"float32": (1, 2, 4), "float16": (1, 2, 4, 8), "bfloat16": (1, 2, 4, 8)}   # up to 16 bytes
-# Vectors per row (hidden // vec) at each boundary of launch_plan: groups of 8..1024 threads
-# with 1, 2 or 4 vectors each, then streaming. Times each vec, these hidden sizes reach every
-# plan the launcher makes (test_enumeration_is_complete checks that against a full scan).
-VECTOR_COUNTS = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025,
-                 2048, 2049, 4096, 4097, 100_000)
-HIDDEN_SIZES = sorted({n * v for n in VECTOR_COUNTS for v in (1, 2, 4, 8)}
-                      | {1, 7, 255, 1000, 4095, 4096, 5120, 8192, 16384, 65536, 262144})
-# Row counts in each of the heuristic's regimes: few rows (clusters of 8, 4, 2 blocks per
-# row on 132 SMs, then one block per row up to 256 rows) and many rows.
-ROWS = (1, 30, 60, 100, 257, 10 ** 6)
-MAX_CLUSTER = 8
-SMS = 132
-# C++ type -> its Itanium mangling (float is a builtin; the others are class names)
-MANGLED = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}
-KERNEL_NAME = re.compile(rb"_ZN7rmsnorm\d+rms_norm_\w+")
-COMPILE_ALL = os.environ.get("CUPY_RMSNORM_COMPILE_ALL") == "1"
-PLAN_KINDS = ("warp group", "block", "stream", "block cluster", "stream cluster")
+KERNEL_NAME = rb"_ZN7rmsnorm\d+rms_norm_\w+"
+BATCH = 40   # instantiations per NVRTC program at most: programs of a few seconds, even work for the threads
 
-
-def _nvrtc_missing():
-    """None when NVRTC and the CUDA headers are usable, else why not."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as e:  # noqa: BLE001 - any import failure means no NVRTC
-        return f"CuPy's NVRTC binding is not importable ({type(e).__name__}: {e})"
-    try:
-        major, _ = nvrtc.getVersion()
-    except Exception as e:  # noqa: BLE001
-        return f"NVRTC library not found ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12"
-    if not _compile.cuda_include_dirs(major):
-        return "no CUDA headers (cuda_bf16.h) found; pip install nvidia-cuda-runtime-cu12"
-    return None
-
-
-NVRTC_MISSING = _nvrtc_missing()
-pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=f"NVRTC compile test: {NVRTC_MISSING}")
+pytestmark = pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}")
 
 
 @functools.cache
@@ -84,12 +58,6 @@ def _plans(dtype, fused):
                                     max_cluster=MAX_CLUSTER)
                     plans.setdefault(p.template_args(), p)
     return plans
-
-
-def plan_kind(plan):
-    """Which code path of the kernels a plan takes (one of PLAN_KINDS)."""
-    shape = "stream" if plan.vecs_per_thread == 0 else "warp group" if plan.threads_per_row <= 32 else "block"
-    return shape + (" cluster" if plan.cluster > 1 else "")
 
 
 def _pairs(dtype, choices):
@@ -123,10 +91,24 @@ def representative_choices(dtype):
     return choices
 
 
-def instantiations(dtype):
-    """What this run compiles for one storage dtype: every instantiation with
-    CUPY_RMSNORM_COMPILE_ALL=1, else the representative set."""
-    return every_instantiation(dtype) if COMPILE_ALL else _pairs(dtype, representative_choices(dtype))
+@functools.cache
+def cross_section_choices(dtype, arch):
+    """The cross-section of the representative set for an architecture other than FULL_ARCH:
+    per op, plan kind and edges value one choice, the vector widths by turns (another turn
+    for each architecture); the weight types follow (float32 where edges == fused)."""
+    return by_turns(representative_choices(dtype), lambda c: (c[0], plan_kind(c[2]), c[2].edges),
+                    COMPILE_ARCHS.index(arch))
+
+
+def instantiations(dtype, arch=FULL_ARCH):
+    """What this run compiles for one storage dtype and architecture: every instantiation
+    with CUPY_RMSNORM_COMPILE_ALL=1, else the representative set (FULL_ARCH) or its
+    cross-section."""
+    if COMPILE_ALL:
+        return every_instantiation(dtype)
+    if arch == FULL_ARCH:
+        return _pairs(dtype, representative_choices(dtype))
+    return _pairs(dtype, cross_section_choices(dtype, arch))
 
 
 def _mangled_prefix(dtype, weight, fused, plan):
@@ -134,91 +116,16 @@ def _mangled_prefix(dtype, weight, fused, plan):
     kernel = instantiation_name(dtype, weight, fused, plan).split("<")[0].split("::")[-1]
     t, w = CUDA_TYPES[dtype], CUDA_TYPES[weight or dtype]
     w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"   # S1_: substitution, W == T
-    ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E"
-                   for a in plan.template_args())
+    ints = template_ints(plan.template_args())
     return f"_ZN7rmsnorm{len(kernel)}{kernel}I{MANGLED[t]}{w_code}Lb{int(fused)}E{ints}".encode()   # then the defaulted types R, O
 
 
-def _nvrtc_version():
-    from cupy_backends.cuda.libs import nvrtc
-    return nvrtc.getVersion()
+# -- the programs, one list for the tests and for the run's start (tests/cpu/conftest.py) ------
 
-
-def _kernel_symbols(cubin):
-    return set(KERNEL_NAME.findall(cubin))
-
-
-def _compile_batches(batches, fast):
-    """{key: cubin or the exception}, compiling (key, exprs, arch) batches in parallel threads."""
-    def one(batch):
-        key, exprs, arch = batch
-        try:
-            return key, _compile.compile_offline(exprs, arch)
-        except Exception as e:  # noqa: BLE001 - reported by the test that owns the batch
-            return key, e
-
-    with pytest.MonkeyPatch.context() as mp:
-        if fast and _nvrtc_version() >= (12, 8):
-            plain = _compile.nvrtc_options
-            mp.setattr(_compile, "nvrtc_options", lambda major=None: plain(major) + ("--Ofast-compile=max",))
-        workers = max(2, min(len(batches), os.cpu_count() or 2))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            return dict(pool.map(one, sorted(batches, key=lambda b: -len(b[1]))))
-
-
-BATCH = 70   # instantiations per NVRTC program at most: few programs, yet even work for the threads
-
-
-def _chunks(pairs):
-    """``pairs`` in programs of equal size (one more in the first ones), up to BATCH each."""
-    n = -(-len(pairs) // BATCH)
-    size, extra = divmod(len(pairs), n)
-    bounds = [i * size + min(i, extra) for i in range(n + 1)]
-    return [pairs[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    """This run's instantiations, in programs of up to BATCH per (arch, dtype)."""
-    batches = []
-    for arch in ARCHS:
-        for dtype in CUDA_TYPES:
-            for i, chunk in enumerate(_chunks(instantiations(dtype))):
-                batches.append(((arch, dtype, i), [e for e, _ in chunk], arch))
-    return _compile_batches(batches, fast=True)
-
-
-def _check_batch(result, pairs, kernel_symbols=None):
-    """One compiled batch: every name expression lowered to a kernel (``kernel_symbols``:
-    the program's kernel names in the binary; the forward's by default)."""
-    if isinstance(result, Exception):
-        raise AssertionError(str(result)[:20000])
-    assert isinstance(result, bytes) and len(result) > 0
-    symbols = (kernel_symbols or _kernel_symbols)(result)
-    assert len(symbols) == len(pairs), "one kernel per name expression"
-    for expr, prefix in pairs:
-        assert any(s.startswith(prefix) for s in symbols), f"no lowered kernel for {expr} ({prefix!r})"
-
-
-@pytest.mark.parametrize("dtype", list(CUDA_TYPES))
-@pytest.mark.parametrize("arch", ARCHS)
-def test_instantiations_compile(compiled, arch, dtype):
-    """The representative set (every instantiation with CUPY_RMSNORM_COMPILE_ALL=1)."""
-    for i, chunk in enumerate(_chunks(instantiations(dtype))):
-        _check_batch(compiled[(arch, dtype, i)], chunk)
-
-
-def test_the_default_set_is_representative():
-    """Every (op, vector width, plan kind, edges) is in it, every (op, vector width, plan
-    kind) with both weight types, and nothing the launcher does not make."""
-    for dtype in CUDA_TYPES:
-        choices = representative_choices(dtype)
-        ops_vecs_kinds = [(f, v, k) for f in (False, True) for v in VECS[dtype] for k in PLAN_KINDS]
-        assert {(f, p.vec, plan_kind(p), p.edges) for f, _, p in choices} == \
-            {key + (e,) for key in ops_vecs_kinds for e in (True, False)}
-        assert {(f, p.vec, plan_kind(p), CUDA_TYPES[w]) for f, w, p in choices} == \
-            {key + (CUDA_TYPES[w],) for key in ops_vecs_kinds for w in (dtype, "float32")}
-        assert set(_pairs(dtype, choices)) <= set(every_instantiation(dtype))
+def _instantiation_programs(arch, dtype):
+    """[(pairs, program kwargs)]: this run's instantiations in programs of up to BATCH."""
+    return [(chunk, dict(names=[e for e, _ in chunk], arch=arch))
+            for chunk in chunks(instantiations(dtype, arch), BATCH)]
 
 
 def _heaviest_per_variant(dtype):
@@ -236,22 +143,15 @@ def _heaviest_per_variant(dtype):
     return sorted(pairs)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_heaviest_instantiations_compile_with_library_options(arch):
-    """The same NVRTC options the library uses at run time (no fast-compile mode)."""
-    batches = [((arch, d), [e for e, _ in _heaviest_per_variant(d)], arch) for d in CUDA_TYPES]
-    results = _compile_batches(batches, fast=False)
-    for d in CUDA_TYPES:
-        pairs = _heaviest_per_variant(d)
-        variants = {(p.variant, f) for f in (False, True) for p in _plans(d, f).values()}
-        assert len(pairs) == len(variants) >= 4     # registers and stream, fused and not
-        _check_batch(results[(arch, d)], pairs)
+def _heaviest_program(arch, dtype):
+    return dict(names=[e for e, _ in _heaviest_per_variant(dtype)], arch=arch, fast=False)
 
 
-def _register_variants(dtype):
+@functools.cache
+def _register_variant_plans(dtype):
     """Per op, edges, vectors per thread and plan kind, the register plan with the most
     threads per row at full width (the plan kinds share their code; the group size changes
-    little else), with a float32 weight and with x's dtype."""
+    little else): [(fused, plan)], sorted."""
     best = {}
     for fused in (False, True):
         for plan in _plans(dtype, fused).values():
@@ -260,23 +160,133 @@ def _register_variants(dtype):
             key = (fused, plan.edges, plan.vecs_per_thread, plan_kind(plan))
             if key not in best or plan.threads_per_row > best[key].threads_per_row:
                 best[key] = plan
-    return sorted({instantiation_name(dtype, w, key[0], p) for key, p in best.items() for w in ("float32", dtype)})
+    return [(key[0], best[key]) for key in sorted(best, key=repr)]
 
 
+@functools.cache
+def _register_variants(dtype):
+    """The spill check's instantiations: the register variant plans with a float32 weight and
+    with x's dtype (helpers.spill_turns: by default the 16-bit dtypes and the weight types by
+    turns)."""
+    plans = _register_variant_plans(dtype)
+    return sorted({instantiation_name(dtype, w, *plans[i]) for i, weights in spill_turns(dtype, len(plans))
+                   for w in weights})
+
+
+SPILL_BATCH = 12
+
+
+def _spill_programs(dtype):
+    """ptxas -v at the library's own options (sm_90)."""
+    return [dict(names=chunk, arch="sm_90", fast=False, extra_options=("-Xptxas=-v",))
+            for chunk in chunks(_register_variants(dtype), SPILL_BATCH)]
+
+
+def compile_jobs():
+    """[(test function, its parameters, program)]: every program this module's tests compile
+    (for tests/cpu/conftest.py to start those of the selected tests early)."""
+    if nvrtc_missing():
+        return []
+    jobs = []
+    for arch in COMPILE_ARCHS:
+        if arch_missing(arch):
+            continue
+        for dtype in CUDA_TYPES:
+            jobs += [("test_instantiations_compile", dict(arch=arch, dtype=dtype), kwargs)
+                     for _, kwargs in _instantiation_programs(arch, dtype)]
+            if dtype in heaviest_dtypes(arch):
+                jobs.append(("test_heaviest_instantiations_compile_with_library_options", dict(arch=arch),
+                             _heaviest_program(arch, dtype)))
+    if not arch_missing("sm_90"):
+        jobs += [("test_register_variants_do_not_spill", {}, kwargs) for dtype in CUDA_TYPES
+                 for kwargs in _spill_programs(dtype)]
+    return jobs
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(CUDA_TYPES))
+@pytest.mark.parametrize("arch", arch_params())
+def test_instantiations_compile(arch, dtype):
+    """The representative set on sm_90, a cross-section of it on the other architectures
+    (every instantiation everywhere with CUPY_RMSNORM_COMPILE_ALL=1)."""
+    programs = _instantiation_programs(arch, dtype)
+    futures = [compile_program(**kwargs) for _, kwargs in programs]
+    for (pairs, _), future in zip(programs, futures):
+        check_symbols(future.result().get(), pairs, KERNEL_NAME)
+
+
+def test_the_default_set_is_representative():
+    """Every (op, vector width, plan kind, edges) is in it, every (op, vector width, plan
+    kind) with both weight types, and nothing the launcher does not make; each cross-section
+    has every (op, plan kind, edges), both weight types and every vector width."""
+    for dtype in CUDA_TYPES:
+        choices = representative_choices(dtype)
+        ops_vecs_kinds = [(f, v, k) for f in (False, True) for v in VECS[dtype] for k in PLAN_KINDS]
+        assert {(f, p.vec, plan_kind(p), p.edges) for f, _, p in choices} == \
+            {key + (e,) for key in ops_vecs_kinds for e in (True, False)}
+        assert {(f, p.vec, plan_kind(p), CUDA_TYPES[w]) for f, w, p in choices} == \
+            {key + (CUDA_TYPES[w],) for key in ops_vecs_kinds for w in (dtype, "float32")}
+        assert set(_pairs(dtype, choices)) <= set(every_instantiation(dtype))
+        others = [a for a in COMPILE_ARCHS if a != FULL_ARCH]
+        for arch in others:
+            section = cross_section_choices(dtype, arch)
+            assert sorted((f, plan_kind(p), p.edges) for f, _, p in section) == \
+                sorted((f, k, e) for f in (False, True) for k in PLAN_KINDS for e in (True, False))
+            assert {CUDA_TYPES[w] for _, w, _ in section} == {CUDA_TYPES[dtype], "float"}
+            assert {p.vec for _, _, p in section} == set(VECS[dtype])
+            assert all(c in choices for c in section)
+
+
+@pytest.mark.parametrize("arch", arch_params())
+def test_heaviest_instantiations_compile_with_library_options(arch):
+    """The same NVRTC options the library uses at run time (no fast-compile mode): every
+    dtype on sm_90, one dtype by turns on the other architectures."""
+    dtypes = heaviest_dtypes(arch)
+    futures = {d: compile_program(**_heaviest_program(arch, d)) for d in dtypes}
+    for d in dtypes:
+        pairs = _heaviest_per_variant(d)
+        variants = {(p.variant, f) for f in (False, True) for p in _plans(d, f).values()}
+        assert len(pairs) == len(variants) >= 4     # registers and stream, fused and not
+        check_symbols(futures[d].result().get(), pairs, KERNEL_NAME)
+
+
+def test_every_dtype_compiles_with_library_options_somewhere_else_too():
+    others = [a for a in COMPILE_ARCHS if a != FULL_ARCH]
+    assert {d for a in others for d in heaviest_dtypes(a)} == set(CUDA_TYPES)
+    assert all(len(heaviest_dtypes(a)) == (len(CUDA_TYPES) if COMPILE_ALL else 1) for a in others)
+
+
+@pytest.mark.skipif(arch_missing("sm_90") is not None, reason=f"NVRTC compile test (sm_90): {arch_missing('sm_90')}")
 def test_register_variants_do_not_spill():
     """ptxas -v at the library's own options (sm_90): no spill stores in the register variants
     (the row kept in registers must stay there)."""
-    def spills(dtype):
+    futures = {dtype: [compile_program(**kwargs) for kwargs in _spill_programs(dtype)] for dtype in CUDA_TYPES}
+    for dtype in CUDA_TYPES:
         names = _register_variants(dtype)
-        log = []
-        _compile.compile_offline(names, "sm_90", "forward", ("-Xptxas=-v",), log)
-        found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", log[0].replace("\0", ""), re.S)
+        found = []
+        for future in futures[dtype]:
+            result = future.result()
+            result.get()
+            found += ptxas_entries(result.log)
         assert len(found) == len(names)
-        return [f for f in found if f[1] != "0"]
+        bad = [f for f in found if f[1] != "0"]
+        assert not bad, (dtype, bad)
 
-    with concurrent.futures.ThreadPoolExecutor(len(CUDA_TYPES)) as pool:
-        for dtype, bad in zip(CUDA_TYPES, pool.map(spills, CUDA_TYPES)):
-            assert not bad, (dtype, bad)
+
+def test_the_spill_check_takes_every_register_variant():
+    """The spill check's set: every register variant plan, for float32 and for float16 or
+    bfloat16 (the same plans), with both weight types over the set."""
+    def plan_of(name):                                   # fused and the template arguments
+        return name.split(", ", 2)[2]
+
+    for dtype in CUDA_TYPES:
+        assert {n.split(", ")[1] for n in _register_variants(dtype)} == {CUDA_TYPES[dtype], "float"}, dtype
+    every = {plan_of(instantiation_name("float16", None, f, p)) for f, p in _register_variant_plans("float16")}
+    assert {plan_of(instantiation_name("float16", None, f, p)) for f, p in _register_variant_plans("bfloat16")} == every
+    assert {plan_of(n) for d in ("float16", "bfloat16") for n in _register_variants(d)} == every
+    every32 = {plan_of(instantiation_name("float32", None, f, p)) for f, p in _register_variant_plans("float32")}
+    assert {plan_of(n) for n in _register_variants("float32")} == every32 and len(every32) >= 12
 
 
 def test_enumeration_is_complete():
@@ -299,6 +309,18 @@ def test_enumeration_is_complete():
             assert {a[0] for a in scanned} == set(VECS[dtype])
 
 
+@pytest.mark.skipif(arch_missing("sm_90") is not None, reason=f"NVRTC compile test (sm_90): {arch_missing('sm_90')}")
 def test_a_broken_expression_fails_loudly():
     with pytest.raises(RuntimeError, match="NVRTC failed for sm_90"):
         _compile.compile_offline(["rmsnorm::no_such_kernel<float>"], "sm_90")
+
+
+def test_nvrtc_compiles_for_the_architectures_users_have():
+    """NVRTC 12.8+ (what the cuda12 extra installs) compiles for Ampere, Hopper and both
+    Blackwells; an older one skips those it lacks (with the reason) above."""
+    if nvrtc_version() < (12, 8):
+        pytest.skip(f"NVRTC {nvrtc_version()} predates sm_100 / sm_120")
+    assert [a for a in COMPILE_ARCHS if arch_missing(a)] == [], {a: arch_missing(a) for a in COMPILE_ARCHS}
+    archs = nvrtc_archs()
+    assert archs is None or {80, 90, 100, 120} <= set(archs)
+

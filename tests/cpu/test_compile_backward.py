@@ -1,32 +1,41 @@
 """The backward kernels' instantiations compile with NVRTC, without a GPU (see test_compile.py).
 
-By default a representative set: per storage dtype, every geometry backward_plan makes
-(warp groups of 8..32 threads with one or two vectors, blocks of 128..1024 threads, the
+By default, for sm_90, a representative set: per storage dtype, every geometry backward_plan
+makes (warp groups of 8..32 threads with one or two vectors, blocks of 128..1024 threads, the
 streamed block) at full vector width with edges, and a sample at the narrower widths and
-without edges, with weights of x's dtype and float32; and the three dweight reductions.
-``CUPY_RMSNORM_COMPILE_ALL=1`` compiles every instantiation the launcher can make.
-The register variants are also compiled with ptxas -v at the library's options: they must
-not spill (the plan's geometry was chosen for that).
+without edges, with weights of x's dtype and float32; for sm_80, sm_100 and sm_120 a
+cross-section of it (per dtype one of each (group kind, edges), the weight types by turns);
+all in fast mode. The three dweight reductions compile everywhere, and the heaviest plan of
+each variant (registers, stream, row) with the library's own options for every architecture
+(every dtype on sm_90, one by turns on the others). ``CUPY_RMSNORM_COMPILE_ALL=1`` compiles
+every instantiation the launcher can make, for every architecture.
+The register, staged and row variants are also compiled with ptxas -v at the library's
+options (sm_90): they must not spill (the plan's geometry was chosen for that; float16 and
+bfloat16, which have the same plans, take them by turns); the staged and row ones compile
+for the other architectures too (fast mode, a cross-section).
 """
 
 import functools
-import os
 import re
 
 import pytest
-from test_compile import ARCHS, ITEMSIZE, MANGLED, NVRTC_MISSING, VECS, _check_batch, _compile_batches
+from helpers import (COMPILE_ALL, COMPILE_ARCHS, FULL_ARCH, ITEMSIZE, MANGLED, SMS, VECS, arch_missing, arch_params,
+                     by_turns, check_symbols, chunks, compile_program, heaviest_dtypes, nvrtc_missing, ptxas_entries,
+                     spill_turns, template_ints)
 
-from cupy_rmsnorm import _compile, backward_plan
-from cupy_rmsnorm._abi import CUDA_TYPES, backward_instantiation_name, reduce_instantiation_name
-from cupy_rmsnorm._abi import ADD_GRAD, DIRECT_WEIGHT, HAS_WEIGHT, LLAMA, WEIGHT_GRAD, row_kernel_flags
+from cupy_rmsnorm import backward_plan
+from cupy_rmsnorm._abi import (ADD_GRAD, CUDA_TYPES, DIRECT_WEIGHT, HAS_WEIGHT, LLAMA, WEIGHT_GRAD,
+                              backward_instantiation_name, reduce_instantiation_name, row_kernel_flags)
 
-pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=f"NVRTC compile test: {NVRTC_MISSING}")
+pytestmark = pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}")
+requires_sm_90 = pytest.mark.skipif(arch_missing("sm_90") is not None,
+                                    reason=f"NVRTC compile test (sm_90): {arch_missing('sm_90')}")
 
-COMPILE_ALL = os.environ.get("CUPY_RMSNORM_COMPILE_ALL") == "1"
 # vectors per row at each boundary of backward_geometry, times each vec
 VECTOR_COUNTS = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025, 5000)
-SMS = 132
-KERNEL_SYMBOL = re.compile(rb"_ZN7rmsnorm\d+rms_norm_backward\w+")
+KERNEL_SYMBOL = rb"_ZN7rmsnorm\d+rms_norm_backward\w+"
+BATCH = 16          # instantiations per program (a backward instantiation costs about twice a forward one)
+SPILL_BATCH = 8
 
 
 @functools.cache
@@ -45,14 +54,18 @@ def backward_plans(dtype, rows=4096):
 def _mangled(dtype, weight, plan):
     t, w = CUDA_TYPES[dtype], CUDA_TYPES[weight]
     w_code = MANGLED[w] if (w == "float" or w != t) else "S1_"
-    ints = "".join(f"Lb{int(a == 'true')}E" if a in ("true", "false") else f"Li{a}E" for a in plan.template_args())
-    return f"_ZN7rmsnorm24rms_norm_backward_kernelI{MANGLED[t]}{w_code}{ints}".encode()   # then the defaulted type N
+    return f"_ZN7rmsnorm24rms_norm_backward_kernelI{MANGLED[t]}{w_code}{template_ints(plan.template_args())}".encode()   # then the defaulted type N
+
+
+def group_kind(plan):
+    """warp group, block or stream (the code paths of rms_norm_backward_kernel)."""
+    return "stream" if plan.vecs_per_thread == 0 else "warp group" if plan.threads_per_row <= 32 else "block"
 
 
 @functools.cache
-def instantiations(dtype):
-    """(name expression, mangled prefix) pairs to compile for one storage dtype."""
-    plans = backward_plans(dtype).values()
+def representative_choices(dtype):
+    """[(plan, weight)] of the representative set (every plan with CUPY_RMSNORM_COMPILE_ALL=1)."""
+    plans = list(backward_plans(dtype).values())
     if not COMPILE_ALL:
         widest = max(VECS[dtype])
         geometries = {}
@@ -61,48 +74,106 @@ def instantiations(dtype):
                 geometries[(p.threads_per_row, p.vecs_per_thread)] = p
         narrow = [p for p in plans if p.vec == 1 and p.edges] + [p for p in plans if not p.edges][:3]
         plans = list(geometries.values()) + narrow[::3]
-    pairs = set()
-    for p in plans:
-        for weight in (dtype, "float32"):
-            pairs.add((backward_instantiation_name(dtype, weight, p), _mangled(dtype, weight, p)))
-    return sorted(pairs)
+    return [(p, weight) for p in plans for weight in (dtype, "float32")]
+
+
+@functools.cache
+def cross_section_choices(dtype, arch):
+    """For an architecture other than FULL_ARCH: per group kind and edges value one choice of
+    the representative set, the geometries and weight types by turns (another turn per
+    architecture)."""
+    return by_turns(representative_choices(dtype), lambda c: (group_kind(c[0]), c[0].edges),
+                    COMPILE_ARCHS.index(arch))
+
+
+def _pairs(dtype, choices):
+    return sorted({(backward_instantiation_name(dtype, w, p), _mangled(dtype, w, p)) for p, w in choices})
+
+
+@functools.cache
+def instantiations(dtype, arch=FULL_ARCH):
+    """(name expression, mangled prefix) pairs to compile for one storage dtype and architecture."""
+    if COMPILE_ALL or arch == FULL_ARCH:
+        return _pairs(dtype, representative_choices(dtype))
+    return _pairs(dtype, cross_section_choices(dtype, arch))
 
 
 def _reductions():
-    return sorted((reduce_instantiation_name(w), f"_ZN7rmsnorm31rms_norm_backward_reduce_kernelI{MANGLED[c]}EE".encode())
+    return sorted((reduce_instantiation_name(w),
+                   f"_ZN7rmsnorm31rms_norm_backward_reduce_kernelI{MANGLED[c]}EE".encode())
                   for w, c in CUDA_TYPES.items())
 
 
-def _check(result, pairs):
-    _check_batch(result, pairs, lambda binary: set(KERNEL_SYMBOL.findall(binary)))
+def _instantiation_programs(arch, dtype):
+    """[(pairs, program kwargs)] in fast mode (the library's options: the heaviest and the
+    spill checks below)."""
+    return [(chunk, dict(names=[e for e, _ in chunk], arch=arch, program="backward"))
+            for chunk in chunks(instantiations(dtype, arch), BATCH)]
 
 
-def _backward_batches(batches, fast):
-    with pytest.MonkeyPatch.context() as mp:   # the backward program, not the forward's
-        plain = _compile.compile_offline
-        mp.setattr(_compile, "compile_offline", lambda names, arch: plain(names, arch, "backward"))
-        return _compile_batches(batches, fast)
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    batches = []
-    for arch in ARCHS:
-        for dtype in CUDA_TYPES:
-            batches.append(((arch, dtype), [e for e, _ in instantiations(dtype)], arch))
-        batches.append(((arch, "reduce"), [e for e, _ in _reductions()], arch))
-    return _backward_batches(batches, fast=COMPILE_ALL)
+def _reduction_program(arch):
+    return dict(names=[e for e, _ in _reductions()], arch=arch, program="backward", fast=False)
 
 
 @pytest.mark.parametrize("dtype", list(CUDA_TYPES))
-@pytest.mark.parametrize("arch", ARCHS)
-def test_backward_instantiations_compile(compiled, arch, dtype):
-    _check(compiled[(arch, dtype)], instantiations(dtype))
+@pytest.mark.parametrize("arch", arch_params())
+def test_backward_instantiations_compile(arch, dtype):
+    programs = _instantiation_programs(arch, dtype)
+    futures = [compile_program(**kwargs) for _, kwargs in programs]
+    for (pairs, _), future in zip(programs, futures):
+        check_symbols(future.result().get(), pairs, KERNEL_SYMBOL)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_reductions_compile(compiled, arch):
-    _check(compiled[(arch, "reduce")], _reductions())
+@pytest.mark.parametrize("arch", arch_params())
+def test_reductions_compile(arch):
+    check_symbols(compile_program(**_reduction_program(arch)).result().get(), _reductions(), KERNEL_SYMBOL)
+
+
+def test_cross_sections_are_representative():
+    """Each architecture's cross-section has every (group kind, edges value) the representative
+    set has and both weight types, each dtype; and nothing the representative set lacks."""
+    for dtype in CUDA_TYPES:
+        full = {(group_kind(p), p.edges) for p, _ in representative_choices(dtype)}
+        assert {k for k, _ in full} == {"warp group", "block", "stream"} and {e for _, e in full} == {True, False}
+        for arch in COMPILE_ARCHS:
+            if arch == FULL_ARCH:
+                continue
+            section = cross_section_choices(dtype, arch)
+            assert sorted((group_kind(p), p.edges) for p, _ in section) == sorted(full)
+            assert {CUDA_TYPES[w] for _, w in section} == {CUDA_TYPES[dtype], "float"}
+            assert set(_pairs(dtype, section)) <= set(instantiations(dtype))
+
+
+def _heaviest(dtype):
+    """Per variant (registers, stream, row), the plan with the most work per thread, float32
+    weights (the row kernel with every flag)."""
+    best = {}
+    for rows in (4096, 7):
+        for p in backward_plans(dtype, rows).values():
+            key = (p.vecs_per_thread, p.threads_per_row, p.vec, p.edges)
+            if p.variant not in best or key > best[p.variant][0]:
+                best[p.variant] = (key, p)
+    return sorted(backward_instantiation_name(dtype, "float32", p, ROW_FLAGS[0] if p.variant == "row" else None)
+                  for _, p in best.values())
+
+
+def _heaviest_program(arch):
+    """Every dtype on sm_90, one by turns on the other architectures (helpers.heaviest_dtypes)."""
+    return dict(names=[n for d in heaviest_dtypes(arch) for n in _heaviest(d)], arch=arch, program="backward",
+                fast=False)
+
+
+@pytest.mark.parametrize("arch", arch_params())
+def test_heaviest_instantiations_compile_with_library_options(arch):
+    """The same NVRTC options the library uses at run time (no fast-compile mode), for the
+    heaviest plan of each variant (every dtype on sm_90, one by turns on the others)."""
+    names = _heaviest_program(arch)["names"]
+    assert len(names) == 3 * len(heaviest_dtypes(arch))
+    assert {n.split("<")[0] for n in names} == {"rmsnorm::rms_norm_backward_kernel",
+                                                 "rmsnorm::rms_norm_backward_row_kernel"}
+    cubin = compile_program(**_heaviest_program(arch)).result().get()
+    symbols = set(re.findall(KERNEL_SYMBOL, cubin))
+    assert len(symbols) == len(names), "one kernel per name expression"
 
 
 def test_every_geometry_is_covered():
@@ -115,34 +186,58 @@ def test_every_geometry_is_covered():
             assert any(f", {g}, {nv}, " in e for e in names), (dtype, g, nv)
 
 
+def _spill_programs(names):
+    """ptxas -v at the library's own options (sm_90), in programs of up to SPILL_BATCH."""
+    return [dict(names=chunk, arch="sm_90", program="backward", fast=False, extra_options=("-Xptxas=-v",))
+            for chunk in chunks(names, SPILL_BATCH)]
+
+
 def spill_stores(names, entry=r"\w+"):
     """ptxas -v at the library's own options (sm_90): the regex groups of ``entry`` and the
     spill store bytes, per compiled entry function (one per name)."""
-    log = []
-    _compile.compile_offline(names, "sm_90", "backward", ("-Xptxas=-v",), log)
-    text = log[0].replace("\0", "")
-    spills = re.findall(rf"Compiling entry function '({entry})'.*?(\d+) bytes spill stores", text, re.S)
+    spills = []
+    for future in [compile_program(**kwargs) for kwargs in _spill_programs(names)]:
+        result = future.result()
+        result.get()
+        spills += ptxas_entries(result.log, entry)
     assert len(spills) == len(names)
     return spills
 
 
+@functools.cache
+def register_variant_plans(dtype):
+    plans = {(p.variant, p.template_args()): p
+             for rows in (4096, 1024) for p in backward_plans(dtype, rows).values()
+             if p.variant == "registers" and p.vec == max(VECS[dtype])}
+    assert any(not p.edges and p.threads_per_row > 32 for p in plans.values()), "no block plan on the grid"
+    return [plans[k] for k in sorted(plans)]
+
+
+def register_variant_names(dtype):
+    """float32 weights (the heaviest); float16 and bfloat16 take the plans by turns
+    (helpers.spill_turns; every plan for both with CUPY_RMSNORM_COMPILE_ALL=1)."""
+    plans = register_variant_plans(dtype)
+    return [backward_instantiation_name(dtype, "float32", plans[i]) for i, _ in spill_turns(dtype, len(plans))]
+
+
+@requires_sm_90
 def test_register_variants_do_not_spill():
     """ptxas -v at the library's own options (sm_90): no spill stores in the register
     variants of the heaviest weights (float32) at full width: rows with a head or tail, and
     (1024 rows, fewer than the staged kernel's) rows on the 16-byte grid, whose block plans
-    keep their dweight sums in registers."""
+    keep their dweight sums in registers. float16 and bfloat16 (the same plans) by turns."""
+    assert register_variant_plans("float16") == register_variant_plans("bfloat16")
+    every = {", ".join(map(str, p.template_args())) + ">" for p in register_variant_plans("float16")}
+    assert {n.split(", ", 2)[2] for d in ("float16", "bfloat16") for n in register_variant_names(d)} == every
     for dtype in CUDA_TYPES:
-        plans = {(p.variant, p.template_args()): p
-                 for rows in (4096, 1024) for p in backward_plans(dtype, rows).values()
-                 if p.variant == "registers" and p.vec == max(VECS[dtype])}
-        assert any(not p.edges and p.threads_per_row > 32 for p in plans.values()), "no block plan on the grid"
-        spills = spill_stores([backward_instantiation_name(dtype, "float32", p) for p in plans.values()])
+        spills = spill_stores(register_variant_names(dtype))
         assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]
 
 
 # -- staged rows (sm_90 bulk copies) ------------------------------------------------------------
 
 H200_SHARED = {"shared_per_sm": 233472, "shared_per_block": 232448}
+STAGED_ENTRY = r"\w+staged\w+Li(\d+)E\w{1,4}EEv\w+"   # then N, defaulted
 
 
 def staged_plans(dtype):
@@ -158,6 +253,29 @@ def staged_plans(dtype):
     return plans
 
 
+@functools.cache
+def staged_names(dtype):
+    """The staged plans with weights of x's dtype and float32 (helpers.spill_turns: by default
+    the 16-bit dtypes and the weight types by turns)."""
+    plans = [p for _, p in sorted(staged_plans(dtype).items())]
+    return sorted({backward_instantiation_name(dtype, w, plans[i]) for i, weights in spill_turns(dtype, len(plans))
+                   for w in weights})
+
+
+def other_arch_programs(names, key):
+    """The architectures but sm_90 (compiled there with ptxas -v), fast mode: of ``names`` one
+    per ``key(name)``, by turns (another turn per architecture; every name with
+    CUPY_RMSNORM_COMPILE_ALL=1)."""
+    return [dict(names=names if COMPILE_ALL else sorted(by_turns(names, key, COMPILE_ARCHS.index(arch))), arch=arch,
+                 program="backward") for arch in COMPILE_ARCHS if arch != "sm_90" and not arch_missing(arch)]
+
+
+def staged_key(name):
+    """A staged instantiation's steps and rows a step (its last template arguments)."""
+    return tuple(name[:-1].split(", ")[-2:])
+
+
+@requires_sm_90
 @pytest.mark.parametrize("dtype", list(CUDA_TYPES))
 def test_staged_variants_compile_without_spills(dtype):
     """The staged kernel's instantiations compile for every architecture (before sm_90 to an
@@ -167,10 +285,10 @@ def test_staged_variants_compile_without_spills(dtype):
     bytes on the stack (half x with half weights), which is allowed here."""
     plans = staged_plans(dtype).values()
     assert {p.vecs_per_thread for p in plans} >= {1, 2} and max(p.threads_per_row for p in plans) == 512
-    names = sorted({backward_instantiation_name(dtype, w, p) for p in plans for w in (dtype, "float32")})
-    for arch in ARCHS:
-        assert _compile.compile_offline(names, arch, "backward")
-    spills = spill_stores(names, r"\w+staged\w+Li(\d+)E\w{1,4}EEv\w+")   # then N, defaulted
+    names = staged_names(dtype)
+    for future in [compile_program(**kwargs) for kwargs in other_arch_programs(names, staged_key)]:
+        assert future.result().get()
+    spills = spill_stores(names, STAGED_ENTRY)
     assert all(b == "0" or (steps != "1" and int(b) <= 32) for _, steps, b in spills), spills
 
 
@@ -190,18 +308,85 @@ def row_plans(dtype):
     return [p for p in backward_plans(dtype, rows=7).values() if p.variant == "row"]
 
 
+@functools.cache
+def row_chosen(dtype):
+    """Every block-wide geometry at full width and a sample of the narrower widths."""
+    plans = row_plans(dtype)
+    widest = max(VECS[dtype])
+    return [p for p in plans if p.vec == widest] + [p for p in plans if p.vec != widest][::4]
+
+
+@functools.cache
+def row_names(dtype):
+    """The chosen row plans, each with every ROW_FLAGS, with weights of x's dtype and float32
+    (helpers.spill_turns: by default the 16-bit dtypes and the weight types by turns)."""
+    chosen = row_chosen(dtype)
+    return sorted({backward_instantiation_name(dtype, w, chosen[i], flags)
+                   for i, weights in spill_turns(dtype, len(chosen)) for w in weights for flags in ROW_FLAGS})
+
+
+def row_key(name):
+    """A row instantiation's edges and flags (its last template arguments)."""
+    return tuple(name[:-1].split(", ")[-2:])
+
+
+def row_flags(name):
+    return row_key(name)[1]
+
+
+@requires_sm_90
 @pytest.mark.parametrize("dtype", list(CUDA_TYPES))
 def test_row_variants_compile_without_spills(dtype):
     """The row kernel's instantiations (every block-wide geometry, a sample of the narrower
     widths) compile for every architecture and do not spill at sm_90 (ptxas -v)."""
     plans = row_plans(dtype)
     assert {p.threads_per_row for p in plans} >= {128, 512, 1024} and {p.edges for p in plans} == {True, False}
-    widest = max(VECS[dtype])
-    chosen = [p for p in plans if p.vec == widest] + [p for p in plans if p.vec != widest][::4]
-    names = sorted({backward_instantiation_name(dtype, w, p, flags) for p in chosen for w in (dtype, "float32")
-                    for flags in ROW_FLAGS})
+    names = row_names(dtype)
     assert all("rms_norm_backward_row_kernel" in n for n in names), names
-    for arch in ARCHS:
-        assert _compile.compile_offline(names, arch, "backward")
+    assert {n.split(", ")[1] for n in names} == {CUDA_TYPES[dtype], "float"}
+    assert {row_key(n)[1] for n in names} == {str(f) for f in ROW_FLAGS}
+    for future in [compile_program(**kwargs) for kwargs in other_arch_programs(names, row_flags)]:
+        assert future.result().get()
     spills = spill_stores(names, r"\w+row_kernel\w+")
     assert all(n == "0" for _, n in spills), [s for s in spills if s[1] != "0"]
+
+
+def test_the_16_bit_dtypes_share_the_spill_checks():
+    """float16 and bfloat16 have the same backward plans: by default they take the spill
+    checks' plans by turns, which together are every plan."""
+    def args(name):                   # the template arguments after T and W
+        return name[:-1].split(", ", 2)[2]
+
+    assert [p.template_args() for p in row_chosen("float16")] == [p.template_args() for p in row_chosen("bfloat16")]
+    assert staged_plans("float16").keys() == staged_plans("bfloat16").keys()
+    sixteen = ("float16", "bfloat16")
+    assert {args(n).rsplit(", ", 1)[0] for d in sixteen for n in row_names(d)} == \
+        {", ".join(map(str, p.template_args())) for p in row_chosen("float16")}
+    assert {args(n) for d in sixteen for n in staged_names(d)} == \
+        {", ".join(map(str, a)) for a in staged_plans("float16")}
+
+
+def compile_jobs():
+    """[(test function, its parameters, program)]: every program this module's tests compile
+    (for tests/cpu/conftest.py to start those of the selected tests early)."""
+    if nvrtc_missing():
+        return []
+    jobs = []
+    for arch in COMPILE_ARCHS:
+        if arch_missing(arch):
+            continue
+        jobs += [("test_backward_instantiations_compile", dict(arch=arch, dtype=dtype), kwargs)
+                 for dtype in CUDA_TYPES for _, kwargs in _instantiation_programs(arch, dtype)]
+        jobs += [("test_reductions_compile", dict(arch=arch), _reduction_program(arch)),
+                 ("test_heaviest_instantiations_compile_with_library_options", dict(arch=arch),
+                  _heaviest_program(arch))]
+    if not arch_missing("sm_90"):
+        for dtype in CUDA_TYPES:
+            jobs += [("test_register_variants_do_not_spill", {}, kwargs)
+                     for kwargs in _spill_programs(register_variant_names(dtype))]
+            staged, rows = staged_names(dtype), row_names(dtype)
+            jobs += [("test_staged_variants_compile_without_spills", dict(dtype=dtype), kwargs)
+                     for kwargs in _spill_programs(staged) + other_arch_programs(staged, staged_key)]
+            jobs += [("test_row_variants_compile_without_spills", dict(dtype=dtype), kwargs)
+                     for kwargs in _spill_programs(rows) + other_arch_programs(rows, row_flags)]
+    return jobs
