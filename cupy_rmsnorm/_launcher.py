@@ -484,7 +484,7 @@ class GatedLauncher(SlotLauncher):
         po = 0 if out is None else ptr(out)
         if (px | pz) & self._item_mask or po & self._out_mask or pw & self._weight_mask:
             return None
-        if not checked and self._overlap_pairs and self._overlapping((px, pz, po)):
+        if not checked and self._overlap_pairs and self._overlapping((px, pz, po, pw)):
             return None
         if out is None:
             out = self._new_out(x)

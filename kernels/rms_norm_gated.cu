@@ -53,16 +53,17 @@ struct GatedBackwardParams {
 static_assert(sizeof(GatedBackwardParams) == 128, "GatedBackwardParams: 128 bytes, as cupy_rmsnorm/_abi.py packs it");
 
 // act(z) and its derivative, in float32: sigmoid(z) = 1 / (1 + exp(-z)) with the hardware
-// exponential and a correctly rounded reciprocal (z -> -inf: 0; z -> +inf: 1).
+// exponential and the hardware's fast division, as Triton's sigmoid (z -> -inf: 0; z -> +inf:
+// 1); a correctly rounded reciprocal costs a slower instruction sequence per element.
 template <int ACT>
 __device__ __forceinline__ float activation(float z) {
-    const float s = __frcp_rn(1.0f + __expf(-z));
+    const float s = __fdividef(1.0f, 1.0f + __expf(-z));
     return ACT == kSilu ? z * s : s;
 }
 
 template <int ACT>
 __device__ __forceinline__ void activation_and_grad(float z, float& a, float& da) {
-    const float s = __frcp_rn(1.0f + __expf(-z));
+    const float s = __fdividef(1.0f, 1.0f + __expf(-z));
     a = ACT == kSilu ? z * s : s;
     da = ACT == kSilu ? s * (1.0f + z * (1.0f - s)) : s * (1.0f - s);
 }
@@ -143,7 +144,12 @@ rms_norm_gated_kernel(const T* x, const T* gate, O* y, const W* w, const GatedPa
     if (flags & kEarlyTrigger) allow_next_kernel();
 
     if constexpr (VECS_PER_THREAD > 0) {
+        // The weights come with the row, not after the reduction (their latency off the
+        // critical path), where they take at most 32 bytes of registers a thread.
+        constexpr bool PREFETCH_W = VECS_PER_THREAD * sizeof(Pack<W, VEC>) <= 32;
+        const bool prefetch_w = PREFETCH_W && w_vec;
         VecT kx[VECS_PER_THREAD], kz[VECS_PER_THREAD];
+        Pack<W, VEC> kw[PREFETCH_W ? VECS_PER_THREAD : 1];
         float part[SLOTS];                       // slot i: the squares of this thread's vector i
 #pragma unroll
         for (int i = 0; i < SLOTS; ++i) part[i] = 0.f;
@@ -152,6 +158,13 @@ rms_norm_gated_kernel(const T* x, const T* gate, O* y, const W* w, const GatedPa
             for (int i = 0; i < VECS_PER_THREAD; ++i) {   // every load before the first use
                 const int v = tid + i * THREADS_PER_ROW;
                 if (v < n) { kx[i] = xv[v]; kz[i] = zv[v]; }
+            }
+            if (prefetch_w) {
+#pragma unroll
+                for (int i = 0; i < VECS_PER_THREAD; ++i) {
+                    const int v = tid + i * THREADS_PER_ROW;
+                    if (v < n) kw[PREFETCH_W ? i : 0] = reinterpret_cast<const Pack<W, VEC>*>(wr)[v];
+                }
             }
 #pragma unroll
             for (int i = 0; i < VECS_PER_THREAD; ++i)
@@ -175,7 +188,8 @@ rms_norm_gated_kernel(const T* x, const T* gate, O* y, const W* w, const GatedPa
             const int v = tid + i * THREADS_PER_ROW;
             if (!active || v >= n) continue;
             float wv[VEC];
-            load_weights<W, VEC>(wr, v, w_vec, p.weight_offset, flags, wv);
+            if (prefetch_w) weights_of<W, VEC>(kw[PREFETCH_W ? i : 0], p.weight_offset, wv);
+            else load_weights<W, VEC>(wr, v, w_vec, p.weight_offset, flags, wv);
             yv[v] = gated_vector<T, O, VEC, GATE_FIRST, ACT>(kx[i], kz[i], wv, inv_rms, flags);
         }
     } else {
@@ -278,10 +292,14 @@ struct GatedElement {
     }
 };
 
+// In blocks of 512, two vectors a thread (dy, x, the gate and dweight's sums of each), or one
+// with float32 weights for 16-bit x, take more than 64 registers: one such block an SM, not
+// two that spill (the launcher fits the grid to the occupancy).
 template <typename T, typename D, typename W, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool GATE_FIRST,
           int ACT>
 __global__ void __launch_bounds__(THREADS_PER_ROW > 256 ? THREADS_PER_ROW : 256,
-                                  THREADS_PER_ROW > 256 ? 1024 / THREADS_PER_ROW : 2)
+                                  THREADS_PER_ROW > 256 ? (VECS_PER_THREAD > 1 || sizeof(W) > sizeof(T) ? 1 : 1024 / THREADS_PER_ROW)
+                                                       : 2)
 rms_norm_gated_backward_kernel(const D* dy, const T* x, const T* gate, T* dx, T* dgate, const W* w, float* partials,
                                W* dweight, const GatedBackwardParams p) {
     using VecT = Pack<T, VEC>;

@@ -2,6 +2,7 @@
 over a grid of shapes on the current GPU, in three modes; a table per mode, op and dtype, and
 CSV, JSON, Markdown and PNG charts. Also the first-call latency in fresh processes."""
 
+import contextlib
 import functools
 import time
 
@@ -161,11 +162,16 @@ class Sweep:
 
     def run(self):
         self.runners = {"cupy": timing.CupyRunner()}
+        grad_mode = contextlib.nullcontext()
         if any(peers.RUNNER_KIND[n] == "torch" for n in self.impls):
             import torch
-            torch.set_grad_enabled(False)   # forward only, as in inference
+            grad_mode = torch.no_grad()   # forward only, as in inference
             self.runners["torch"] = timing.TorchRunner()
         self.scratch = timing.Scratch()
+        with grad_mode:
+            self._measure_all()
+
+    def _measure_all(self):
         args = self.args
         for op in args.ops:
             for dtype in args.dtypes:

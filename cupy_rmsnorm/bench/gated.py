@@ -187,7 +187,17 @@ def unsupported(impl, case):
         return "FusedRMSNormGated has no group size"
     if impl == "hf" and case.norm_before_gate and case.group_size:
         return "Qwen3NextRMSNormGated has no group size"
+    if impl == "hf" and case.group_size and not _mamba_takes_group_size():
+        return "this transformers' MambaRMSNormGated has no group size"
     return None
+
+
+def _mamba_takes_group_size():
+    """Whether MambaRMSNormGated takes a group size (transformers 5.24 does, 5.17 not)."""
+    import inspect
+
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    return "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters
 
 
 def availability(names):
@@ -360,7 +370,9 @@ def _module(impl, case):
         return Qwen3NextRMSNormGated(case.width, eps=EPS)
     if impl == "hf":
         from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
-        return MambaRMSNormGated(case.width, group_size=case.group_size or case.width, eps=EPS)
+        if _mamba_takes_group_size():
+            return MambaRMSNormGated(case.width, group_size=case.group_size or case.width, eps=EPS)
+        return MambaRMSNormGated(case.width, eps=EPS)
     raise ValueError(f"no module for {impl!r}")
 
 

@@ -149,6 +149,9 @@ def test_the_composite_is_the_formula_and_the_hf_modules(case):
     expected = _reference(torch, case, x, gate, weight)
     assert float((y.double() - expected).abs().max() / expected.abs().max()) < 2 ** -6
 
+    reason = gated.unsupported("hf", case)
+    if reason:
+        pytest.skip(f"the formula holds; the Hugging Face module: {reason}")
     assert torch.equal(gated.build(torch, "hf", "fwd", case, inputs)(), y)
     xg, gg = x.detach().requires_grad_(True), gate.detach().requires_grad_(True)
     wg = weight.detach().clone().requires_grad_(True)

@@ -1,5 +1,8 @@
 """The README's and docs' Python blocks marked ``<!-- gpu -->`` run on the GPU."""
 
+import sys
+import types
+
 import pytest
 from helpers import doc_blocks, torch_cuda_missing
 
@@ -10,7 +13,13 @@ reason = torch_cuda_missing()
 @pytest.mark.skipif(reason is not None, reason=f"docs GPU blocks: {reason}")
 @pytest.mark.parametrize("name,line,lang,gpu,code", GPU_BLOCKS, ids=[f"{b[0]}:{b[1]}" for b in GPU_BLOCKS])
 def test_gpu_block_runs(name, line, lang, gpu, code, free_gpu_memory):
-    exec(compile(code, f"{name}:{line}", "exec"), {"__name__": "__docs__"})
+    # a real module: torch.compile imports the module of the code it compiles
+    module = types.ModuleType("docs_block")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(code, f"{name}:{line}", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
 
 
 def test_there_are_gpu_blocks():

@@ -50,7 +50,7 @@ def _bad_cases():
         "casting_mode": (ValueError, lambda m, xp, r: x_only(m, r, casting_mode="bf16")),
         "weight_offset without weight": (ValueError, lambda m, xp, r: x_only(m, r, weight_offset=1.0)),
         "weight shape": (ValueError, lambda m, xp, r: x_only(m, r, weight=m(r((K + 1,))))),
-        "weight dtype": (TypeError, lambda m, xp, r: x_only(m, r, weight=m(r((K,), np.float16)))),
+        "weight dtype": (TypeError, lambda m, xp, r: x_only(m, r, weight=m(r((K,), np.float64)))),
         "weight_offset nan": (ValueError, lambda m, xp, r: x_only(m, r, weight=m(r((K,))),
                                                                    weight_offset=float("nan"))),
         "out dtype": (TypeError, lambda m, xp, r: with_out(m, r, m(r((4, K), np.float32)))),
