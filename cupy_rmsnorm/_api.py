@@ -143,7 +143,8 @@ def rms_norm_backward(dy: Array, x: Array, weight: Optional[Array] = None, eps: 
     dtype. inv_rms is recomputed from x: the forward saves nothing.
 
     Args:
-        dy: the gradient of the output: x's shape and dtype.
+        dy: the gradient of the output: x's shape, the output's dtype (x's, or the forward's
+            out_dtype).
         x, weight, eps, weight_offset, casting_mode: the forward's arguments.
 
     Returns:

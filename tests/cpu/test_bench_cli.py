@@ -12,14 +12,15 @@ from helpers import child_env
 
 from cupy_rmsnorm.bench import cli, common, peers, timing
 
-COMMANDS = ("forward", "backward", "quant", "e2e", "train")
+COMMANDS = ("forward", "backward", "quant", "e2e", "train", "gated")
 RESULTS = os.path.join(common.library_root(), common.COMMITTED_RESULTS)
 # what each committed report's console text must show (a table's content, not just a title)
 REPORT_TEXT = {"forward": ("rms_norm, bfloat16, graph", "16384x8192", "fused_add_rms_norm, float16, cold"),
                "backward": ("forward+backward", "16384x8192", "liger"),
                "quant": ("fused per_group", "flashinfer", "geomean ours / best peer"),
                "e2e": ("ours_fused", "compiled", "agreement floor"),
-               "train": ("max |loss difference|", "9 norms replaced", "99")}
+               "train": ("max |loss difference|", "9 norms replaced", "99"),
+               "gated": ("16384x32x128", "fla_grouped", "forward + backward, graph")}
 
 
 def options_of(command):
