@@ -430,6 +430,8 @@ def heaviest_dtypes(arch):
 
 
 # -- the docs' code blocks ----------------------------------------------------------------------
+# the repository's top folder: its files (docs, committed reports) are read from here, not from
+# wherever the package under test is installed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_FILES = ("README.md", "docs/design.md", "docs/numerics.md", "docs/performance.md")
 

@@ -8,10 +8,9 @@ import subprocess
 import zipfile
 
 import pytest
+from helpers import ROOT
 
 from cupy_rmsnorm.bench import cli, common, flashinfer, quant
-
-ROOT = common.library_root()
 
 
 def test_arguments():

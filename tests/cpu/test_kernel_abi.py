@@ -139,9 +139,9 @@ def _enum(name):
 
 
 def test_quant_enums_and_constants_match():
-    """QuantForm / QuantType against _compile's names, and the constants of the contract
+    """QuantForm / QuantType against _abi's names, and the constants of the contract
     (QMAX per type, the group size, the minimum scale's divisor) against _reference / _plan."""
-    from cupy_rmsnorm import _compile, _plan, _reference
+    from cupy_rmsnorm import _plan, _reference
     forms = _enum("QuantForm")
     assert forms.pop("kPlain") == 0
     assert forms == {"kStatic": _abi.QUANT_FORMS["static"], "kPerToken": _abi.QUANT_FORMS["per_token"],
