@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 
-from . import common
+from . import common, serving
 
 SUMMARY = "a whole Llama-shaped model generating, with HF's, our and Liger's norms"
 
@@ -64,12 +64,15 @@ MODE_TITLES = {"eager": "generate(do_sample=False), dynamic cache, torch.inferen
 BASELINE = "hf"
 EPS = 1e-6
 NORM_WEIGHT_STD = 0.1        # norm weights 1 + N(0, 0.1): at all-ones, llama and fp32 rounding agree
+PREFILL_REPLAYS = 3          # a 2048-token forward runs for milliseconds: a few calls per sample
 EXPLAIN_TOKENS = 16          # the graph-break count needs a forward, not a long one
 COMPILE_ESTIMATE_S = 75.0    # one variant's compile, for the time budget (8-layer Llama on an H200)
 RECOMPILE_LIMIT = 64         # variants share code objects: one Dynamo cache entry each
 DEFAULTS = {"layers": 8, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "vocab": 32000,
-            "new_tokens": 64, "repeats": 5, "modes": list(MODES), "agree_tokens": 1024}
-QUICK = {"layers": 2, "new_tokens": 16, "repeats": 2, "modes": ["eager"], "agree_tokens": 256}
+            "new_tokens": 64, "repeats": 5, "modes": ["eager"], "agree_tokens": 1024,
+            "step_modes": list(serving.STEP_MODES), "step_batches": [1, 64], "prefill": 2048, "replays": 50}
+QUICK = {"layers": 2, "new_tokens": 16, "repeats": 2, "modes": ["eager"], "agree_tokens": 256,
+         "step_modes": ["eager"], "step_batches": [1], "prefill": 512, "replays": 10}
 
 
 class Skipped(Exception):
@@ -84,7 +87,7 @@ EPILOG = ("variants:\n" + "\n".join(f"  {k:11s} {v}" for k, v in VARIANT_TITLES.
 
 
 def add_arguments(p):
-    common.add_common_options(p, modes=(MODES, "both; --quick: eager"),
+    common.add_common_options(p, modes=(MODES, "eager; the decode step's compiled form is in --step-modes"),
                               repeats="interleaved rounds over the variants, per mode (default: 5; --quick: 2)",
                               charts=False)
     positive = common.positive_int
@@ -106,6 +109,15 @@ def add_arguments(p):
                    help="tokens of the teacher-forced forward that checks the logits (default: 1024; --quick: 256)")
     p.add_argument("--agree-batch", type=positive, default=4,
                    help="sequences of --agree-tokens each in that forward (default: 4)")
+    p.add_argument("--step-modes", type=common.comma_list(str.lower, serving.STEP_MODES, "step mode"),
+                   help="forms of the timed decode step: eager, compiled (default: both; --quick: eager)")
+    p.add_argument("--step-batches", type=common.comma_list(common.positive_int, what="batch"),
+                   help="sequences per decode step (default: 1,64; --quick: 1)")
+    p.add_argument("--context", type=positive, default=512,
+                   help="the decode step's position in its static cache (default: 512)")
+    p.add_argument("--prefill", type=positive, help="tokens of the timed prefill (default: 2048; --quick: 512)")
+    p.add_argument("--replays", type=positive,
+                   help="CUDA graph replays per timed decode step sample (default: 50; --quick: 10)")
     p.add_argument("--no-fullgraph", action="store_true",
                    help="compile with graph breaks allowed (default: fullgraph=True, a break is an error)")
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
@@ -138,7 +150,8 @@ def model_config(args):
     return {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
             "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
             "num_key_value_heads": args.kv_heads, "rms_norm_eps": EPS,
-            "max_position_embeddings": max(2048, args.prompt + args.new_tokens, args.agree_tokens),
+            "max_position_embeddings": max(2048, args.prompt + args.new_tokens, args.agree_tokens,
+                                           args.context + 1, args.prefill),
             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -222,13 +235,33 @@ def _ratio(v):
     return f"{v:.3f}" if v is not None else "-"
 
 
+def _cell(a, key, spec):
+    return format(a[key], spec) if a.get(key) is not None else "-"
+
+
 def _agree_cells(a):
     """top-1 agreement and max |dlogit| against hf, then the same against float32."""
     a = a or {}
-    cells = [f"{a['top1_agree']:.4f}", f"{a['max_abs_diff']:.3g}"] if "top1_agree" in a else ["-", "-"]
-    if "top1_vs_fp32" in a:
-        return cells + [f"{a['top1_vs_fp32']:.4f}", f"{a['max_abs_vs_fp32']:.3g}"]
-    return cells + ["-", "-"]
+    return [_cell(a, "top1_agree", ".4f"), _cell(a, "max_abs_diff", ".3g"), _cell(a, "top1_vs_fp32", ".4f"),
+            _cell(a, "max_abs_vs_fp32", ".3g")]
+
+
+AGREEMENT_HEADERS = ["variant", "top-1 agree", "max abs dlogit", "logits differing", "norm outputs differing",
+                     "norm max ulps", "top-1 vs fp32", "max abs vs fp32"]
+FLOOR_VARIANT = "floor: hf, mean in float64"
+
+
+def agreement_rows(payload):
+    """The bits table: per variant (and the floor) its logits and its norm outputs against hf's."""
+    found = dict(payload.get("agreement") or {})
+    if payload.get("agreement_floor"):
+        found[FLOOR_VARIANT] = payload["agreement_floor"]
+    if not any("norm_outputs_differing" in a for a in found.values()):
+        return []                     # a report from before the norm outputs were compared
+    return [[name, _cell(a, "top1_agree", ".4f"), _cell(a, "max_abs_diff", ".3g"),
+             _cell(a, "logits_differing", ".2%"), _cell(a, "norm_outputs_differing", ".4%"),
+             _cell(a, "norm_max_ulps", ".3g"), _cell(a, "top1_vs_fp32", ".4f"), _cell(a, "max_abs_vs_fp32", ".3g")]
+            for name, a in found.items()]
 
 
 def _breaks_cell(breaks, compiled):
@@ -297,24 +330,57 @@ def format_report(payload):
     floor = floor_line(payload)
     if floor:
         lines.append(floor)
+    steps = serving_rows(payload)
+    if steps:
+        lines += ["", serving_line(meta), common.render_table(serving.TABLE_HEADERS, serving.table_rows(steps),
+                                                              left=(0, 2, 3))]
+    bits = agreement_rows(payload)
+    if bits:
+        lines += ["", AGREEMENT_LINE, common.render_table(AGREEMENT_HEADERS, bits)]
     if rows:
         cells = table_rows(payload)
-        lines += ["", common.render_table(TABLE_HEADERS, cells, left=(0, 1))]
+        lines += ["", GENERATE_LINE, common.render_table(TABLE_HEADERS, cells, left=(0, 1))]
         if any(c[-1].endswith("*") for c in cells):
             lines.append(BREAKS_FOOTNOTE)
-    else:
+    elif not steps:
         lines.append("nothing was measured")
     return "\n".join(lines)
+
+
+def serving_rows(payload):
+    return (payload.get("serving") or {}).get("results") or []
+
+
+def serving_line(meta):
+    return (f"GPU time of what a server runs: decode step at context {meta['context']} (static cache, one CUDA "
+            f"graph replayed {meta['replays']} times per sample) and a prefill of {meta['prefill']} tokens; "
+            f"microseconds, median and min-max over rounds")
+
+
+AGREEMENT_LINE = ("agreement with hf on one teacher-forced forward: logits, and each norm module run on hf's "
+                  "own input to it (its arithmetic alone, not what the model makes of it)")
+GENERATE_LINE = "generate (the Python of transformers' loop included: about 2 ms a token)"
 
 
 def format_markdown(payload):
     """A Markdown table for the README."""
     meta, rows = payload["meta"], payload["results"]
-    if not rows:
+    steps = serving_rows(payload)
+    if not rows and not steps:
         return ""
-    lines = [(f"End to end: {describe(meta)}. Milliseconds, median over rounds (min-max); "
-              f"vs hf below 1: faster than with HF's norms."), "", common.format_header(meta).replace("\n", "  \n"), "",
-             "| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
+    unit = "Median" if steps else "Milliseconds, median"     # the serving table is in microseconds
+    lines = [(f"End to end: {describe(meta)}. {unit} over rounds (min-max); "
+              f"vs hf below 1: faster than with HF's norms."), "", common.format_header(meta).replace("\n", "  \n")]
+    if steps:
+        lines += ["", serving_line(meta) + ".", "", common.markdown_table(serving.TABLE_HEADERS, serving.table_rows(steps))]
+    bits = agreement_rows(payload)
+    if bits:
+        lines += ["", AGREEMENT_LINE + ":", "", common.markdown_table(AGREEMENT_HEADERS, bits)]
+    if not rows:
+        return "\n".join(lines) + "\n"
+    if steps:
+        lines += ["", GENERATE_LINE + ", milliseconds:"]
+    lines += ["", "| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
     cells = table_rows(payload)
     lines += ["| " + " | ".join(c) + " |" for c in cells]
     if any(c[-1].endswith("*") for c in cells):
@@ -335,6 +401,10 @@ CSV_FIELDS = ("mode", "variant", "prefill_ms", "prefill_ms_min", "prefill_ms_max
               "graph_breaks", "timed_fullgraph")
 
 
+SERVING_CSV_FIELDS = ("measure", "batch", "mode", "variant", "us", "us_min", "us_max", "rounds", "vs_hf",
+                      "vs_hf_compiled")
+
+
 def csv_table(payload):
     out = []
     for r in payload["results"]:
@@ -353,7 +423,19 @@ def csv_table(payload):
                     "top1_vs_fp32": a.get("top1_vs_fp32"), "max_abs_vs_fp32": a.get("max_abs_vs_fp32"),
                     "graph_breaks": b.get("graph_break_count") if r["mode"] == "compiled" else None,
                     "timed_fullgraph": compiled.get("fullgraph") if r["mode"] == "compiled" else None})
-    return list(CSV_FIELDS), [[row[k] for k in CSV_FIELDS] for row in out]
+    steps = serving_rows(payload)
+    if not steps:
+        return list(CSV_FIELDS), [[row[k] for k in CSV_FIELDS] for row in out]
+    # a run with the serving measures: their rows first, each table's columns empty in the other's rows
+    fields = list(SERVING_CSV_FIELDS) + [k for k in CSV_FIELDS if k not in SERVING_CSV_FIELDS]
+    for r in steps:
+        out.insert(steps.index(r), {"measure": r["measure"], "batch": r["batch"], "mode": r["mode"],
+                                    "variant": r["variant"], "us": r["us"]["median"], "us_min": r["us"]["min"],
+                                    "us_max": r["us"]["max"], "rounds": r["us"]["n"], "vs_hf": r["vs_hf"],
+                                    "vs_hf_compiled": r["vs_hf_compiled"]})
+    for row in out[len(steps):]:
+        row["measure"] = "generate"
+    return fields, [[row.get(k) for k in fields] for row in out]
 
 
 # -- the measuring loop (torch-free: it gets the timing function) --------------------------------------
@@ -511,8 +593,59 @@ def float32_logits(model, ids):
 def agreement(logits, reference):
     diff = (logits - reference).abs()
     return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+            "logits_differing": float((logits != reference).float().mean()),
             "top1_agree": top1_agreement(logits, reference),
             "reference_max_abs_logit": float(reference.abs().max())}
+
+
+def is_hf_norm(module):
+    return type(module).__name__ == "LlamaRMSNorm"
+
+
+def norm_calls(model, ids):
+    """[(module path, input, output)] of every LlamaRMSNorm call in one teacher-forced forward
+    of ``model`` (hf)."""
+    calls = []
+
+    def record(path):
+        return lambda module, args, out: calls.append((path, args[0].detach(), out.detach()))
+    handles = [m.register_forward_hook(record(path)) for path, m in model.named_modules() if is_hf_norm(m)]
+    try:
+        logits_of(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def ulps(values, reference):
+    """|values - reference| in units of the last place of ``reference``'s dtype at each
+    reference value (its smallest normal where the reference is smaller)."""
+    import torch
+    info = torch.finfo(reference.dtype)
+    ref = reference.float()
+    magnitude = ref.abs().clamp_min(info.tiny)
+    unit = torch.exp2(torch.floor(torch.log2(magnitude))) * info.eps
+    return (values.float() - ref).abs() / unit
+
+
+def norm_agreement(model, calls):
+    """How ``model``'s norm modules differ from hf's on hf's own inputs, call by call (so a
+    difference is the norm's arithmetic, not its propagation through the model): the fraction
+    of output elements whose bits differ, and the largest difference in units of the last
+    place."""
+    import torch
+    modules = dict(model.named_modules())
+    differing = total = 0
+    worst = 0.0
+    with torch.inference_mode():
+        for path, x, want in calls:
+            got = modules[path](x)
+            got = (got[0] if isinstance(got, tuple) else got).to(want.dtype)
+            differing += int((got != want).sum())
+            total += want.numel()
+            worst = max(worst, float(ulps(got, want).max()))
+    return {"norm_outputs_differing": differing / total if total else 0.0, "norm_max_ulps": worst}
 
 
 def _llama_norm_with_mean_in(mean_dtype, module, hidden_states):
@@ -539,14 +672,17 @@ def with_norm_mean_in(base, mean_dtype):
     return model
 
 
-def agreement_floor(base, ids, reference, exact):
+def agreement_floor(base, ids, reference, exact, calls=None):
     """The check's floor (module docstring): ``hf`` with its variance rounded once, against
     ``hf``; ``reimplementation_max_abs_diff`` (the float32-mean copy against ``hf``) is 0
     when the copy is HF's arithmetic."""
     import torch
     same = logits_of(with_norm_mean_in(base, torch.float32), ids)
-    rounded_once = logits_of(with_norm_mean_in(base, torch.float64), ids)
+    rounded_once_model = with_norm_mean_in(base, torch.float64)
+    rounded_once = logits_of(rounded_once_model, ids)
     floor = agreement(rounded_once, reference)
+    if calls is not None:
+        floor.update(norm_agreement(rounded_once_model, calls))
     if exact is not None:
         floor.update(against_exact(rounded_once, exact))
     floor["reimplementation_max_abs_diff"] = float((same - reference).abs().max())
@@ -650,6 +786,8 @@ def run(args):
         "e2e", device, torch_device=args.device, config=model_config(args), dtype=args.dtype, batch=args.batch,
         prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats, agree_tokens=args.agree_tokens,
         agree_batch=args.agree_batch, modes=args.modes, variants={v: VARIANT_TITLES[v] for v in args.variants},
+        step_modes=args.step_modes, step_batches=args.step_batches, context=args.context, prefill=args.prefill,
+        replays=args.replays,
         mode_titles={m: MODE_TITLES[m] for m in args.modes}, fullgraph=not args.no_fullgraph,
         norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s)
     payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}, "graph_breaks": {},
@@ -695,6 +833,7 @@ def measure_all(args, payload, elapsed, deadline):
     # Agreement: one teacher-forced forward per variant against hf's logits.
     ids = token_ids(args, args.agree_batch, args.agree_tokens, offset=2)
     reference = logits_of(models[BASELINE], ids)
+    calls = norm_calls(models[BASELINE], ids)
     exact = None
     if args.dtype != "float32":
         try:
@@ -708,6 +847,7 @@ def measure_all(args, payload, elapsed, deadline):
         try:
             logits = logits_of(models[name], ids)
             payload["agreement"][name] = agreement(logits, reference)
+            payload["agreement"][name].update(norm_agreement(models[name], calls))
             if exact is not None:
                 payload["agreement"][name].update(against_exact(logits, exact))
         except Exception as e:  # noqa: BLE001
@@ -715,11 +855,16 @@ def measure_all(args, payload, elapsed, deadline):
             log(f"error: agreement {name}: {_err_text(e)}")
             del models[name]
     try:
-        payload["agreement_floor"] = agreement_floor(base, ids, reference, exact)
+        payload["agreement_floor"] = agreement_floor(base, ids, reference, exact, calls)
     except Exception as e:  # noqa: BLE001 - the floor is context, not a variant
         payload["errors"].append({"where": "agreement floor", "error": _err_text(e)})
         log(f"error: agreement floor: {_err_text(e)}")
-    del reference, exact
+    blind = payload.get("agreement_floor", {}).get("logits_differing") == 0.0
+    if blind:
+        payload["notes"].append(f"the agreement check is blind at this size: hf with its mean of squares in "
+                                f"float64 gives hf's logits bit for bit over {args.agree_batch} x {args.agree_tokens} "
+                                f"tokens; the norm outputs' bits (norm outputs differing) still tell variants apart")
+    del reference, exact, calls
 
     if "compiled" in args.modes:   # explain resets Dynamo: before any compile
         short = ids[:, :EXPLAIN_TOKENS]
@@ -731,7 +876,11 @@ def measure_all(args, payload, elapsed, deadline):
                 payload["graph_breaks"][name] = {"error": _err_text(e)}
             payload["graph_breaks"][name]["seconds"] = time.perf_counter() - t0
             log(f"graph breaks of {name}: {payload['graph_breaks'][name].get('graph_break_count', 'error')}")
-        raise_recompile_limits()
+    if "compiled" in args.modes or "compiled" in args.step_modes:
+        raise_recompile_limits()       # the variants share code objects: one Dynamo cache entry each
+
+    measure_serving(args, payload, models, elapsed, deadline)
+    common.save_partial(args, payload)
 
     prompt = token_ids(args, args.batch, args.prompt, offset=3)
     for mode in args.modes:
@@ -754,6 +903,39 @@ def measure_all(args, payload, elapsed, deadline):
             log(f"note: {note}")
         summarize_into(args, payload, elapsed)
         common.save_partial(args, payload)     # a later crash keeps this mode's results
+
+
+def measure_serving(args, payload, models, elapsed, deadline):
+    """The decode steps and the prefill of every variant (the serving module), captured or
+    warmed up one by one, then timed in interleaved rounds."""
+    timers = {}
+    prefill_ids = token_ids(args, 1, args.prefill, offset=4)
+    for measure, mode, batch in serving.measures(args.step_modes, args.step_batches, args.prefill):
+        for name, model in models.items():
+            key = (measure, mode, batch, name)
+            where = " ".join(map(str, key))
+            if mode == "compiled" and args.device != "cuda":
+                payload["skipped"][f"serving {where}"] = "compiled steps run on CUDA only"
+                continue
+            if mode == "compiled" and not fits_budget(elapsed(), COMPILE_ESTIMATE_S, args.budget_s):
+                payload["skipped"][f"serving {where}"] = f"the time budget ({args.budget_s:.0f} s) left no room to compile"
+                continue
+            log(f"serving: preparing {where} ...")
+            try:
+                if measure == "decode":
+                    runner = serving.DecodeStep(model, batch, args.context, compiled=mode == "compiled").capture()
+                    timers[key] = functools.partial(runner.time_us, args.replays)
+                else:
+                    timers[key] = functools.partial(serving.Prefill(model, prefill_ids).capture().time_us,
+                                                    PREFILL_REPLAYS)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
+                payload["errors"].append({"where": f"serving {where}", "error": _err_text(e)})
+                log(f"error: serving {where}: {_err_text(e)}")
+    log(f"serving: {args.repeats} rounds of {len(timers)} measures ...")
+    samples, errors, notes = serving.interleaved_rounds(timers, args.repeats, log, deadline)
+    payload["serving"] = {"samples": samples, "results": serving.summarize(samples)}
+    payload["errors"] += errors
+    payload["notes"] += notes
 
 
 def warm_up(mode, models, generate, args, payload, elapsed):

@@ -12,14 +12,15 @@ import types
 
 import pytest
 
-from cupy_rmsnorm.bench import cli, common, e2e
+from cupy_rmsnorm.bench import cli, common, e2e, serving
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_TRANSFORMERS = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
 requires_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS,
                                            reason="needs torch and transformers (not installed)")
 TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
-        "--vocab", "256", "--prompt", "8", "--new-tokens", "4", "--agree-tokens", "16"]
+        "--vocab", "256", "--prompt", "8", "--new-tokens", "4", "--agree-tokens", "16",
+        "--step-modes", "eager", "--step-batches", "2", "--context", "8", "--prefill", "16", "--replays", "1"]
 
 
 # -- arguments ------------------------------------------------------------------------------------
@@ -34,11 +35,21 @@ def test_defaults_are_an_8_layer_llama_in_bf16():
     assert args.dtype == "bfloat16" and args.batch == 1
     assert (args.prompt, args.new_tokens, args.repeats) == (128, 64, 5)
     assert args.variants == ["hf", "ours", "ours_fused", "liger"]
-    assert args.modes == ["eager", "compiled"]
+    assert args.modes == ["eager"]                     # generate: the secondary measure
+    assert args.step_modes == ["eager", "compiled"] and args.step_batches == [1, 64]
+    assert (args.context, args.prefill, args.replays) == (512, 2048, 50)
     assert not args.no_fullgraph and args.budget_s is None and args.device == "cuda"
     config = e2e.model_config(args)
     assert config["num_hidden_layers"] == 8 and config["num_key_value_heads"] == 8
-    assert config["max_position_embeddings"] >= 128 + 64
+    assert config["max_position_embeddings"] >= max(128 + 64, 512 + 1, 2048)
+
+
+def test_quick_and_the_serving_flags():
+    quick = parse_args(["--quick"])
+    assert (quick.step_modes, quick.step_batches, quick.prefill, quick.replays) == (["eager"], [1], 512, 10)
+    args = parse_args(["--step-modes", "compiled", "--step-batches", "8,1,8", "--context", "4000", "--prefill", "3000"])
+    assert args.step_modes == ["compiled"] and args.step_batches == [8, 1]
+    assert e2e.model_config(args)["max_position_embeddings"] == 4001
 
 
 def test_flags_choose_variants_modes_sizes():
@@ -58,6 +69,8 @@ def test_flags_choose_variants_modes_sizes():
     (["--heads", "32", "--kv-heads", "5"], "not a multiple of --kv-heads"),
     (["--variants", "flashinfer"], "unknown variant"),
     (["--modes", "graph"], "unknown mode"),
+    (["--step-modes", "graph"], "unknown step mode"),
+    (["--step-batches", "1,0"], "expected a positive integer"),
     (["--dtype", "int8"], "unknown dtype"),
     (["--repeats", "0"], "positive integer"),
 ])
@@ -235,6 +248,40 @@ def test_outputs_json_csv_markdown(tmp_path):
     assert "Skipped: liger: liger_kernel is not importable." in md
 
 
+def _serving_payload():
+    payload = _payload()
+    payload["meta"].update(context=512, prefill=2048, replays=50)
+    samples = [{"key": ["decode", "eager", 1, v], "round": r, "us": us} for r in range(2)
+               for v, us in (("hf", 100.0 + r), ("ours", 90.0 + r))]
+    payload["serving"] = {"samples": samples, "results": serving.summarize(samples)}
+    payload["agreement"]["ours"].update(logits_differing=0.25, norm_outputs_differing=0.0012, norm_max_ulps=1.0)
+    payload["agreement_floor"] = {"max_abs_diff": 0.0, "logits_differing": 0.0, "top1_agree": 1.0,
+                                  "norm_outputs_differing": 0.0, "norm_max_ulps": 0.0,
+                                  "reimplementation_max_abs_diff": 0.0}
+    return payload
+
+
+def test_the_serving_and_agreement_tables_come_first(tmp_path):
+    payload = _serving_payload()
+    text = e2e.format_report(payload)
+    assert text.index("decode step at context 512") < text.index("agreement with hf") < text.index(e2e.GENERATE_LINE)
+    bits = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("ours ", "floor:"))}
+    assert bits["ours"][1:] == ["0.9922", "0.0625", "25.00%", "0.1200%", "1", "0.9688", "0.125"]
+    assert bits["floor:"][-7:] == ["1.0000", "0", "0.00%", "0.0000%", "0", "-", "-"]
+    decode = [line.split() for line in text.splitlines() if line.startswith("decode ")]
+    assert decode == [["decode", "1", "eager", "hf", "100.5", "100.0-101.0", "1.000", "-"],
+                      ["decode", "1", "eager", "ours", "90.5", "90.0-91.0", "0.900", "-"]]
+    common.write_report(e2e, payload, str(tmp_path), "e2e")
+    with open(tmp_path / "e2e.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["measure"], r["variant"]) for r in rows] == [("decode", "hf"), ("decode", "ours")] + \
+        [("generate", v) for v in ("hf", "ours", "hf", "ours")]
+    assert float(rows[1]["us"]) == 90.5 and float(rows[1]["vs_hf"]) == pytest.approx(90.5 / 100.5)
+    assert rows[1]["decode_ms_per_token"] == "" and rows[2]["us"] == ""
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| decode | 1 | eager | ours | 90.5 |" in md and "| floor: hf, mean in float64 |" in md
+
+
 def test_nothing_measured_writes_no_markdown(tmp_path):
     payload = dict(_payload(), timings=[], results=[])
     assert [os.path.basename(p) for p in common.write_report(e2e, payload, str(tmp_path), "e2e")] == \
@@ -341,6 +388,10 @@ def test_a_tiny_eager_run_on_the_cpu(tmp_path, capsys):
     payload = json.loads((tmp_path / "e2e.json").read_text())
     assert set(payload["skipped"]) == {"ours", "ours_fused", "liger"} and not payload["errors"]
     assert len(payload["timings"]) == 2 * 2 and all(t["seconds"] > 0 for t in payload["timings"])
+    steps = payload["serving"]["results"]            # the serving measures, smoked on the host clock
+    assert [(r["measure"], r["mode"], r["batch"], r["variant"], r["us"]["n"]) for r in steps] == \
+        [("decode", "eager", 2, "hf", 2), ("prefill", "eager", 1, "hf", 2)]
+    assert all(r["us"]["min"] > 0 and r["vs_hf"] == 1.0 and r["vs_hf_compiled"] is None for r in steps)
     (row,) = payload["results"]
     assert row["decode_vs_hf"] == 1.0 and row["decode_ms"]["n"] == 2
     assert payload["meta"]["versions"]["transformers"] and payload["meta"]["config"]["num_hidden_layers"] == 2
@@ -362,7 +413,8 @@ def test_the_cpu_run_checks_hf_against_float32_and_survives_without_it(tmp_path,
     assert cli.main(["e2e"] + argv) == 0
     payload = json.loads((tmp_path / "e2e.json").read_text())
     assert payload["agreement"] == {} and payload["results"]
-    assert payload["notes"] == ["no agreement with the float32 model: MemoryError: no room for a float32 copy"]
+    assert payload["notes"][0] == "no agreement with the float32 model: MemoryError: no room for a float32 copy"
+    assert all(n.startswith("the agreement check is blind at this size") for n in payload["notes"][1:])
 
 
 @requires_transformers
@@ -379,6 +431,40 @@ def test_the_agreement_floor_reimplements_hf_bit_for_bit(tmp_path):
     assert 0.0 <= floor["top1_agree"] <= 1.0 and 0.0 <= floor["top1_vs_fp32"] <= 1.0
     assert payload["meta"]["agree_batch"] == 2
     assert "Agreement floor (hf with its mean of squares in float64" in (tmp_path / "e2e.md").read_text()
+
+
+@requires_transformers
+def test_the_agreement_check_tells_variants_apart():
+    """hf's arithmetic reimplemented agrees to the bit; the same model with one norm's eps
+    changed differs, in its logits and in that norm's outputs, and the check says so."""
+    import torch
+    args = parse_args(TINY + ["--device", "cpu"])
+    base = e2e.build_model(args)
+    ids = e2e.token_ids(args, 2, 16, offset=2)
+    reference = e2e.logits_of(base, ids)
+    calls = e2e.norm_calls(base, ids)
+    assert [path for path, _, _ in calls] == [f"model.layers.{i}.{n}" for i in range(2)
+                                              for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm"]
+
+    def check(model):
+        found = e2e.agreement(e2e.logits_of(model, ids), reference)
+        found.update(e2e.norm_agreement(model, calls))
+        return found
+    same = check(e2e.with_norm_mean_in(base, torch.float32))
+    assert same["max_abs_diff"] == same["logits_differing"] == 0.0 and same["top1_agree"] == 1.0
+    assert same["norm_outputs_differing"] == same["norm_max_ulps"] == 0.0
+    changed = e2e.with_norm_mean_in(base, torch.float32)
+    changed.model.layers[1].post_attention_layernorm.variance_epsilon = 0.05
+    other = check(changed)
+    assert other["max_abs_diff"] > 0.0 and other["logits_differing"] > 0.5
+    assert 0.0 < other["norm_outputs_differing"] <= 1 / 5 and other["norm_max_ulps"] >= 1.0  # one norm of five
+
+
+def test_ulps_count_units_in_the_last_place_of_the_reference():
+    torch = pytest.importorskip("torch")
+    ref = torch.tensor([1.0, 1.0, -3.0, 0.0, 1e-40], dtype=torch.bfloat16)
+    got = torch.tensor([1.0, 1.0 + 2 ** -7, -3.0 - 2 ** -6, 0.0, 1e-40], dtype=torch.bfloat16)
+    assert e2e.ulps(got, ref).tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_a_norm_with_the_mean_in_float64_differs_from_float32_in_the_variance_only():
