@@ -174,8 +174,9 @@ def op_calls(graphs):
 # -- NVRTC compile tests (tests/cpu/test_compile*.py) -----------------------------------------
 # Compiled without a GPU through CuPy's low-level NVRTC binding (_compile.compile_offline),
 # for each architecture of COMPILE_ARCHS that the installed NVRTC supports: FULL_ARCH gets the
-# representative sets, the others a cross-section of them; CUPY_RMSNORM_COMPILE_ALL=1 compiles
-# every instantiation the launcher can make, for every architecture.
+# representative sets (float16 and bfloat16 splitting theirs: sixteen_bit_share), the others
+# a cross-section of them for one storage dtype each (arch_dtypes); CUPY_RMSNORM_COMPILE_ALL=1
+# compiles every instantiation the launcher can make, for every dtype and architecture.
 COMPILE_ALL = os.environ.get("CUPY_RMSNORM_COMPILE_ALL") == "1"
 COMPILE_ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")   # Ampere, Hopper, Blackwell (B200, RTX 50)
 FULL_ARCH = "sm_90"
@@ -268,6 +269,13 @@ def requires_arch(arch):
 def arch_params(archs=COMPILE_ARCHS):
     """``archs`` as parameters, each skipped with the reason where NVRTC cannot compile for it."""
     return [pytest.param(a, id=a, marks=requires_arch(a)) for a in archs]
+
+
+def arch_dtype_params(turn=0):
+    """(arch, dtype) parameters: each architecture of COMPILE_ARCHS with its arch_dtypes(arch,
+    ``turn``), skipped with the reason where NVRTC cannot compile for it."""
+    return [pytest.param(a, d, id=f"{a}-{d}", marks=requires_arch(a)) for a in COMPILE_ARCHS
+            for d in arch_dtypes(a, turn)]
 
 
 def plan_kind(plan):
@@ -367,6 +375,17 @@ def compile_on_every_core():
             _compile_slots.release()
 
 
+def library_options_programs(names, arch, program, compiled):
+    """Programs (compile_program's keyword arguments) that compile ``names`` with the library's
+    own options for ``arch``: those of ``compiled`` (a test module's other programs) that
+    already do so for some of them (ptxas -v, which spill checks add, only reports), and one
+    program of the rest. Each is compiled once for both tests."""
+    held = [kw for kw in compiled if kw["arch"] == arch and kw.get("program", "forward") == program
+            and not kw.get("fast", True) and set(kw["names"]) & set(names)]
+    rest = [n for n in names if not any(n in kw["names"] for kw in held)]
+    return ([dict(names=rest, arch=arch, program=program, fast=False)] if rest else []) + held
+
+
 def check_symbols(cubin, pairs, symbol_pattern):
     """Every name expression of (name, mangled prefix) ``pairs`` lowered to a kernel of the
     cubin, one kernel each (``symbol_pattern``: a bytes regex of the program's kernel names)."""
@@ -406,27 +425,56 @@ def stop_compiles():
             _compile_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def spill_turns(dtype, count):
+SIXTEEN_BIT = ("float16", "bfloat16")
+
+
+def sixteen_bit_share(dtype, items, key=lambda item: None, float32_by_turns=False):
+    """The part of ``items`` that ``dtype`` compiles. float32: every item (every dtype every
+    item with CUPY_RMSNORM_COMPILE_ALL=1). float16 and bfloat16 run the same templates with the
+    same plans (only the conversions of T differ), so they split the items: of the i-th group
+    of ``key(item)`` (groups sorted by key, members in ``items``' order) float16 takes the
+    members j with i + j even, bfloat16 the others. Together they take every item; each takes
+    every other member of each group (a group of two or more is met by both), starting by
+    turns, and every other group of one. ``float32_by_turns``: float32 takes bfloat16's part
+    of its own items, for spill checks whose float32 plans are the 16-bit dtypes' and need
+    no more registers than theirs (a 16-byte vector holds half the values)."""
+    items = list(items)
+    if COMPILE_ALL or (dtype not in SIXTEEN_BIT and not float32_by_turns):
+        return items
+    turn = SIXTEEN_BIT.index(dtype) if dtype in SIXTEEN_BIT else SIXTEEN_BIT.index("bfloat16")
+    index = {k: i for i, k in enumerate(sorted({key(item) for item in items}, key=repr))}
+    seen, share = {}, []
+    for item in items:
+        k = key(item)
+        j = seen[k] = seen.get(k, -1) + 1
+        if (index[k] + j) % 2 == turn:
+            share.append(item)
+    return share
+
+
+def spill_turns(dtype, count, float32_by_turns=False):
     """[(i, weight types)]: which of a spill check's ``count`` plans (sorted) are compiled for
     ``dtype``, with which weights. With CUPY_RMSNORM_COMPILE_ALL=1 every plan with both weight
-    types; by default float32 takes every plan, float16 and bfloat16 (the same plans, the same
-    16-bit registers) take them by turns, and the weight types alternate (float32, x's dtype)
-    over the plans each dtype takes."""
+    types; by default float32 takes every plan (by turns with ``float32_by_turns``: see
+    sixteen_bit_share), float16 and bfloat16 (the same plans, the same 16-bit registers) take
+    them by turns, and the weight types alternate (float32, x's dtype) over the plans each
+    dtype takes."""
     if COMPILE_ALL:
         return [(i, tuple(dict.fromkeys((dtype, "float32")))) for i in range(count)]
-    return [(i, (("float32", dtype)[(i // 2) % 2],)) for i in range(count)
-            if dtype == "float32" or i % 2 == (dtype == "bfloat16")]
+    return [(i, (("float32", dtype)[(i // 2) % 2],))
+            for i in sixteen_bit_share(dtype, range(count), float32_by_turns=float32_by_turns)]
 
 
-def heaviest_dtypes(arch):
-    """The storage dtypes whose heaviest instantiations compile with the library's own options
-    for ``arch``: all on FULL_ARCH (or with CUPY_RMSNORM_COMPILE_ALL=1), one by turns on each
-    of the others."""
+def arch_dtypes(arch, turn=0):
+    """The storage dtypes a test compiles for ``arch``: all on FULL_ARCH (or with
+    CUPY_RMSNORM_COMPILE_ALL=1), one on each of the others, by turns (as many others as dtypes:
+    each dtype on one of them). ``turn`` shifts the turns, so that tests with different turns
+    compile different dtypes for an architecture (the heaviest instantiations take turn 0)."""
     dtypes = list(DTYPES)
     if COMPILE_ALL or arch == FULL_ARCH:
         return dtypes
     others = [a for a in COMPILE_ARCHS if a != FULL_ARCH]
-    return [dtypes[others.index(arch) % len(dtypes)]]
+    return [dtypes[(others.index(arch) + turn) % len(dtypes)]]
 
 
 # -- the docs' code blocks ----------------------------------------------------------------------
