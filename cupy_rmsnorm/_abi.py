@@ -67,6 +67,34 @@ GATED_BACKWARD_PARAMS_DTYPE = np.dtype([
 ])
 assert GATED_BACKWARD_PARAMS_DTYPE.itemsize == GATED_BACKWARD_PARAMS_BYTES
 
+# -- QK norm + RoPE: enum QkRopeFlags, struct QkRopeParams / QkRopeBackwardParams -----------------
+# (kernels/qk_norm_rope.cu; the backward's flags also take BACKWARD_FLAGS' kWeightGrad, kDirectWeight)
+QK_ROPE_FLAGS = {"kInt64Positions": 512}
+INT64_POSITIONS = QK_ROPE_FLAGS["kInt64Positions"]
+QK_ROPE_PARAMS_BYTES = 208
+QK_ROPE_PARAMS_DTYPE = np.dtype([
+    ("tokens", "<i8"), ("n_inner", "<i8"),
+    ("q", "<i8", (2,)), ("k", "<i8", (2,)), ("out_q", "<i8", (2,)), ("out_k", "<i8", (2,)),
+    ("cos", "<i8", (2,)), ("sin", "<i8", (2,)), ("positions", "<i8", (2,)),
+    ("q_head", "<i8"), ("k_head", "<i8"), ("out_q_head", "<i8"), ("out_k_head", "<i8"),
+    ("cache_row", "<i8"), ("max_position", "<i8"),
+    ("q_heads", "<i4"), ("k_heads", "<i4"), ("head_dim", "<i4"), ("rotary_dim", "<i4"),
+    ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"), ("unused", "<i4"),
+])
+assert QK_ROPE_PARAMS_DTYPE.itemsize == QK_ROPE_PARAMS_BYTES
+QK_ROPE_BACKWARD_PARAMS_BYTES = 264
+QK_ROPE_BACKWARD_PARAMS_DTYPE = np.dtype([
+    ("tokens", "<i8"), ("n_inner", "<i8"), ("items_per_block", "<i8"),
+    ("dq_out", "<i8", (2,)), ("dk_out", "<i8", (2,)), ("q", "<i8", (2,)), ("k", "<i8", (2,)),
+    ("dq", "<i8", (2,)), ("dk", "<i8", (2,)), ("cos", "<i8", (2,)), ("sin", "<i8", (2,)),
+    ("positions", "<i8", (2,)),
+    ("dq_out_head", "<i8"), ("dk_out_head", "<i8"), ("q_head", "<i8"), ("k_head", "<i8"), ("dq_head", "<i8"),
+    ("dk_head", "<i8"), ("cache_row", "<i8"), ("max_position", "<i8"),
+    ("q_heads", "<i4"), ("k_heads", "<i4"), ("head_dim", "<i4"), ("rotary_dim", "<i4"),
+    ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"), ("unused", "<i4"),
+])
+assert QK_ROPE_BACKWARD_PARAMS_DTYPE.itemsize == QK_ROPE_BACKWARD_PARAMS_BYTES
+
 
 def kernel_weight_offset(scalars):
     """The offset the kernels add to the weights: -0 for an offset of 0, since w + -0 is w for
@@ -146,3 +174,20 @@ def gated_backward_instantiation_name(dtype, dy_dtype, weight_dtype, plan, norm_
     return (f"rmsnorm::rms_norm_gated_backward_kernel<{CUDA_TYPES[dtype]}, {CUDA_TYPES[dy_dtype]}, "
             f"{CUDA_TYPES[weight_dtype or dtype]}, {plan.vec}, {plan.threads_per_row}, {plan.vecs_per_thread}, "
             f"{'false' if norm_before_gate else 'true'}, {ACTIVATIONS[activation]}>")
+
+
+def qk_rope_instantiation_name(dtype, weight_dtype, table_dtype, plan, cache):
+    """The name expression of the QK norm + RoPE forward kernel (program "qk_rope") a QkRopePlan
+    needs: ``table_dtype`` the cos / sin (or cos_sin_cache) dtype, ``cache`` the positions and
+    cos_sin_cache convention."""
+    args = ", ".join(str(a) for a in plan.template_args())
+    return (f"rmsnorm::qk_norm_rope_kernel<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, "
+            f"{CUDA_TYPES[table_dtype]}, {args}, {'true' if cache else 'false'}>")
+
+
+def qk_rope_backward_instantiation_name(dtype, weight_dtype, table_dtype, plan, cache):
+    """The name expression of the QK norm + RoPE backward kernel (program "qk_rope") a
+    QkRopeBackwardPlan needs."""
+    args = ", ".join(str(a) for a in plan.template_args())
+    return (f"rmsnorm::qk_norm_rope_backward_kernel<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype or dtype]}, "
+            f"{CUDA_TYPES[table_dtype]}, {args}, {'true' if cache else 'false'}>")

@@ -5,8 +5,9 @@ NumPy through the reference on the CPU, torch tensors zero-copy on torch's curre
 
 from typing import Any, Literal, Optional, Tuple
 
-from ._call import backward_call, forward_call, gated_backward_call, gated_call, quant_call
-from ._layout import BackwardArrays, GatedBackwardArrays
+from ._call import (backward_call, forward_call, gated_backward_call, gated_call, qk_rope_backward_call, qk_rope_call,
+                    quant_call)
+from ._layout import BackwardArrays, GatedBackwardArrays, QkRopeBackwardArrays
 
 Array = Any
 """A CuPy array, a NumPy array, a PyTorch tensor or a CUDA array with ``__dlpack__``."""
@@ -228,3 +229,83 @@ def rms_norm_gated_backward(dy: Array, x: Array, gate: Array, weight: Optional[A
     """
     return gated_backward_call(GatedBackwardArrays(dy, x, gate, weight), eps, weight_offset, casting_mode, group_size,
                                norm_before_gate, activation)
+
+
+def qk_norm_rope(q: Array, k: Array, q_weight: Optional[Array], k_weight: Optional[Array], eps: float = 1e-6, *,
+                 cos: Optional[Array] = None, sin: Optional[Array] = None, positions: Optional[Array] = None,
+                 cos_sin_cache: Optional[Array] = None, rotary_dim: Optional[int] = None, is_neox: bool = True,
+                 out_q: Optional[Array] = None, out_k: Optional[Array] = None, weight_offset: float = 0.0,
+                 casting_mode: CastingMode = "fp32") -> Tuple[Array, Array]:
+    """Per-head RMSNorm of q and k followed by the rotary position embedding, in one pass (the
+    attention input of Qwen3, Gemma 3, OLMo 2).
+
+    For each head x of q (weight q_weight) and of k (k_weight), in float32:
+    ``y = x / sqrt(mean(x**2) + eps) * (weight + weight_offset)`` over head_dim
+    (``casting_mode="llama"``: x / rms rounded to q's dtype first, as ``rms_norm``), then for
+    each channel j < rotary_dim and its partner p (NeoX, ``is_neox=True``: the other half of
+    rotary_dim, j +- rotary_dim / 2; GPT-J: the other of the pair 2i, 2i + 1):
+    ``out[j] = y[j] * cos[j] - y[p] * sin[j]`` for the pair's first channel (first half, even
+    j), ``y[j] * cos[j] + y[p] * sin[j]`` for the second; channels past rotary_dim are y
+    itself. One rounding to q's dtype, after the rotation.
+
+    The angles come from exactly one of two conventions:
+
+    - ``cos``, ``sin`` (transformers'): per token and channel, shape ``(..., rotary_dim)``
+      broadcasting over q's leading axes (HF passes ``(batch, seq, rotary_dim)``, the halves
+      duplicated for NeoX), used channel by channel;
+    - ``positions`` (int32 / int64, q's leading axes) and ``cos_sin_cache`` of shape
+      ``(max_position, rotary_dim)``, cos in its first rotary_dim / 2 columns and sin in the
+      others (vLLM's and FlashInfer's): channel j's angle is the position's column
+      j mod (rotary_dim / 2) (NeoX) or j // 2 (GPT-J). A position outside [0, max_position)
+      gives NaN in the rotated channels of its token's heads on the GPU (nothing outside the
+      cache is read); NumPy arrays raise ValueError.
+
+    Args:
+        q: (..., q_heads, head_dim) float32, float16 or bfloat16 array: CuPy (runs on the GPU, on
+            CuPy's current stream), NumPy (runs the reference on the CPU), a PyTorch CUDA tensor
+            (no autograd yet) or a CUDA ``__dlpack__`` producer. Any strided leading axes, e.g.
+            the per-head views of a packed ``(T, (q_heads + 2 k_heads) * head_dim)`` projection.
+        k: (..., k_heads, head_dim), q's dtype and leading axes.
+        q_weight, k_weight: (head_dim,) of q's dtype or float32 (both of one dtype), or both None.
+        eps, weight_offset, casting_mode: as in ``rms_norm``.
+        cos, sin: transformers' angles, float32 or q's dtype (see above).
+        positions, cos_sin_cache: vLLM's angles, the cache float32 or q's dtype (see above).
+        rotary_dim: the rotated channels, the first of each head (partial rotary); default and
+            only allowed value: the table's width. Even, at most head_dim (up to 512).
+        is_neox: NeoX halves (True) or GPT-J interleaved pairs (False).
+        out_q, out_k: optional destinations of q's and k's shapes and dtype, overwritten;
+            ``out_q=q, out_k=k`` works in place.
+
+    Returns:
+        ``(q_out, k_out)``: out_q and out_k (new arrays of q's kind where not given).
+    """
+    return qk_rope_call((q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, out_q, out_k), eps,
+                        weight_offset, casting_mode, rotary_dim, is_neox)
+
+
+def qk_norm_rope_backward(dq_out: Array, dk_out: Array, q: Array, k: Array, q_weight: Optional[Array],
+                          k_weight: Optional[Array], eps: float = 1e-6, *, cos: Optional[Array] = None,
+                          sin: Optional[Array] = None, positions: Optional[Array] = None,
+                          cos_sin_cache: Optional[Array] = None, rotary_dim: Optional[int] = None,
+                          is_neox: bool = True, weight_offset: float = 0.0,
+                          casting_mode: CastingMode = "fp32") -> Tuple[Array, Array, Optional[Array], Optional[Array]]:
+    """Gradients of ``qk_norm_rope(q, k, q_weight, k_weight, eps, ...)`` given ``dq_out`` and
+    ``dk_out``, the gradients of its two outputs (q's and k's shapes, q's dtype).
+
+    Per head, in float32: the rotation's transpose (by -theta) ``dy[j] = do[j] * cos[j] +
+    do[p] * sin[p]`` for a pair's first channel, ``do[j] * cos[j] - do[p] * sin[p]`` for the
+    second (dy = do past rotary_dim), then the norm's backward as ``rms_norm_backward``: with
+    r = rsqrt(mean(x**2) + eps), xhat = x * r, g = dy * (weight + weight_offset),
+    ``dx = r * (g - xhat * mean(g * xhat))``; ``dq_weight`` / ``dk_weight`` = the sum over every
+    token and head of q / k of ``dy * xhat`` (``"llama"``: xhat rounded to q's dtype first),
+    added in float32 in a fixed order (the same bits every run). Other arguments: the
+    forward's. Nothing is overwritten.
+
+    Returns:
+        ``(dq, dk, dq_weight, dk_weight)``: new arrays of q's kind (dq, dk of q's and k's shapes
+        and dtype, contiguous; the weights' gradients of their shape and dtype, None without
+        weights). Not differentiable itself.
+    """
+    return qk_rope_backward_call(QkRopeBackwardArrays(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, positions,
+                                                      cos_sin_cache), eps, weight_offset, casting_mode, rotary_dim,
+                                 is_neox)

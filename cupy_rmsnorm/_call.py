@@ -22,13 +22,14 @@ from typing import NamedTuple
 from . import _cache, _interop, _validate
 from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
 from ._launcher import (BackwardLauncher, GatedBackwardLauncher, GatedLauncher, Launcher, MixedBackward,
-                        MixedLauncher, QuantLauncher)
-from ._layout import (OUT, OUTPUTS, RESIDUAL_OUT, SCALE, SCALES, Arrays, GatedArrays, GatedBackwardArrays,
-                      QuantArrays, backward_layout, call_layout, gated_backward_layout, gated_layout, new_scales,
-                      quant_layout)
+                        MixedLauncher, QkRopeBackwardLauncher, QkRopeLauncher, QuantLauncher)
+from ._layout import (OUT, OUTPUTS, QK_ROPE_OUTPUTS, RESIDUAL_OUT, SCALE, SCALES, Arrays, GatedArrays,
+                      GatedBackwardArrays, QkRopeArrays, QkRopeBackwardArrays, QuantArrays, backward_layout,
+                      call_layout, gated_backward_layout, gated_layout, new_scales, qk_rope_layout, quant_layout)
 from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_quant_reference,
-                         fused_add_rms_norm_reference, rms_norm_backward_reference, rms_norm_gated_backward_reference,
-                         rms_norm_gated_reference, rms_norm_quant_reference, rms_norm_reference)
+                         fused_add_rms_norm_reference, qk_norm_rope_backward_reference, qk_norm_rope_reference,
+                         rms_norm_backward_reference, rms_norm_gated_backward_reference, rms_norm_gated_reference,
+                         rms_norm_quant_reference, rms_norm_reference)
 
 # The arguments' names of each form's arrays, for messages (the backward's second array is x,
 # or the fused op's residual_out: the array the others must match).
@@ -403,5 +404,111 @@ def gated_backward_call(arrays, eps, weight_offset, casting_mode, group_size, no
         return dx, dgate, (dweight if weight_grad else None)
     launcher = GatedBackwardLauncher(layout, scalars, call.kind, spec)
     if call.cacheable and not (call.copied or layout.call.copied):
+        _cache.remember(signature, launcher.__call__)
+    return launcher(arrays, weight_grad)
+
+
+# -- QK norm + RoPE ----------------------------------------------------------------------------------
+# Torch tensors run on the direct path (no registered op yet): a call that autograd would have to
+# record, or that torch.compile traces, is refused rather than run without its gradient.
+QK_ROPE_NAMES = QkRopeArrays._fields
+QK_ROPE_BACKWARD_NAMES = QkRopeBackwardArrays._fields
+
+
+def _refuse_qk_rope_trace():
+    """Before the signature lookup, as forward_call's check: nothing for dynamo to trace yet."""
+    torch = sys.modules.get("torch")
+    if torch is not None and (_compiling() if _compiling is not None else torch.compiler.is_dynamo_compiling()):
+        raise RuntimeError("qk_norm_rope has no registered torch op yet: torch.compile cannot trace it")
+
+
+def _refuse_torch_autograd(kind, arrays):
+    if kind is TorchKind and _interop.autograd_records(arrays):
+        raise RuntimeError("qk_norm_rope does not record autograd yet: call it under torch.no_grad() (or on tensors "
+                           "that do not require grad) and take gradients with qk_norm_rope_backward")
+
+
+def _numpy_rope_tables(arrays, spec):
+    """The angles' keyword arguments of the reference, after checking (the NumPy path can, the
+    kernels cannot) that every position lies in the cache: ValueError otherwise."""
+    if spec.cache:
+        positions, rows = arrays.positions, arrays.cos_sin_cache.shape[0]
+        if positions.size and (positions.min() < 0 or positions.max() >= rows):
+            raise ValueError(f"positions must lie in [0, {rows}) (cos_sin_cache's rows), got values from "
+                             f"{positions.min()} to {positions.max()}")
+        return dict(positions=arrays.positions, cos_sin_cache=arrays.cos_sin_cache)
+    return dict(cos=arrays.cos, sin=arrays.sin)
+
+
+def _checked_qk_rope(arrays, names, eps, weight_offset, casting_mode, rotary_dim, is_neox, outputs=(), gradients=0):
+    """The full path's checks of a forward or backward call: (the Resolved call, its Scalars, its
+    QkRopeSpec with rotary_dim set). ``outputs``: the positions of given outputs; ``gradients``:
+    how many output gradients lead ``arrays`` (the backward's dq_out and dk_out; q anchors the
+    kind)."""
+    scalars = _validate.check_scalars(eps, weight_offset, casting_mode, arrays.q_weight is not None)
+    spec = _validate.check_qk_rope(arrays, rotary_dim, is_neox)
+    kind, kinds_arrays, cacheable = array_kind(arrays, names, anchor=gradients)
+    _refuse_torch_autograd(kind, kinds_arrays)
+    call = prepare(kind, kinds_arrays, names, outputs, cacheable)
+    metas = call.metas
+    if gradients:
+        forward = QkRopeArrays(*metas[gradients:])
+        spec = _validate.check_qk_rope_arrays(forward, spec, metas[:gradients])
+    else:
+        spec = _validate.check_qk_rope_arrays(metas, spec)
+    return call, scalars, spec
+
+
+def qk_rope_call(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox):
+    """``arrays``: the ten of QkRopeArrays, as a plain tuple; (q_out, k_out)."""
+    _refuse_qk_rope_trace()
+    rope = (rotary_dim, is_neox)
+    signature = _interop.qk_rope_signature("qk_norm_rope", arrays, eps, weight_offset, casting_mode, rope)
+    launch = _cache.lookup(signature)
+    if launch is not None:
+        result = launch(arrays)
+        if result is not None:
+            return result
+    arrays = QkRopeArrays._make(arrays)
+    for name in ("q", "k"):
+        if getattr(arrays, name) is None:
+            raise TypeError(f"{name} must be an array of shape (..., heads, head_dim), got None")
+    call, scalars, spec = _checked_qk_rope(arrays, QK_ROPE_NAMES, eps, weight_offset, casting_mode, rotary_dim,
+                                           is_neox, QK_ROPE_OUTPUTS)
+    arrays, layout = qk_rope_layout(call.kind, call.resolved, call.metas, spec, call.copied)
+    if call.kind is NumpyKind:
+        q_out, k_out = qk_norm_rope_reference(arrays.q, arrays.k, arrays.q_weight, arrays.k_weight, scalars.eps,
+                                              scalars.weight_offset, scalars.casting_mode,
+                                              rotary_dim=spec.rotary_dim, is_neox=spec.is_neox,
+                                              **_numpy_rope_tables(arrays, spec))
+        return _store(arrays.out_q, q_out), _store(arrays.out_k, k_out)
+    launcher = QkRopeLauncher(layout, scalars, call.kind)
+    if call.cacheable and not layout.copied:
+        _cache.remember(signature, launcher.entry)
+    return launcher(arrays, checked=True)
+
+
+def qk_rope_backward_call(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, weight_grad=True):
+    """``arrays``: a QkRopeBackwardArrays; (dq, dk, dq_weight, dk_weight)."""
+    _refuse_qk_rope_trace()
+    rope = (rotary_dim, is_neox)
+    signature = _interop.qk_rope_signature("qk_norm_rope_backward", arrays, eps, weight_offset, casting_mode, rope)
+    launch = _cache.lookup(signature)
+    if launch is not None:
+        return launch(arrays, weight_grad)
+    for name in ("dq_out", "dk_out", "q", "k"):
+        if getattr(arrays, name) is None:
+            raise TypeError(f"{name} must be an array of shape (..., heads, head_dim), got None")
+    call, scalars, spec = _checked_qk_rope(arrays, QK_ROPE_BACKWARD_NAMES, eps, weight_offset, casting_mode,
+                                           rotary_dim, is_neox, gradients=2)
+    arrays, layout = qk_rope_layout(call.kind, call.resolved, call.metas, spec, call.copied)
+    if call.kind is NumpyKind:
+        dq, dk, dq_weight, dk_weight = qk_norm_rope_backward_reference(
+            arrays.dq_out, arrays.dk_out, arrays.q, arrays.k, arrays.q_weight, arrays.k_weight, scalars.eps,
+            scalars.weight_offset, scalars.casting_mode, rotary_dim=spec.rotary_dim, is_neox=spec.is_neox,
+            **_numpy_rope_tables(arrays, spec))
+        return (dq, dk) + ((dq_weight, dk_weight) if weight_grad else (None, None))
+    launcher = QkRopeBackwardLauncher(layout, scalars, call.kind)
+    if call.cacheable and not layout.copied:
         _cache.remember(signature, launcher.__call__)
     return launcher(arrays, weight_grad)

@@ -3,10 +3,11 @@ compiled kernels.
 
 Each program is one file of ``kernels/`` (``"forward"``: ``rms_norm.cu``, the plain, fused
 and quantized forward kernels; ``"backward"``: ``rms_norm_backward.cu``; ``"gated"``:
-``rms_norm_gated.cu``, the gated forward and backward), which includes the
-shared device code (``*.cuh``) through NVRTC's include path. Each (storage type, weight type,
-plan, ...) is an instantiation, compiled the first time a call needs it on a device and
-kept in ``kernel_cache`` as a launchable function. CuPy's disk cache keeps the binaries
+``rms_norm_gated.cu``, the gated forward and backward; ``"qk_rope"``: ``qk_norm_rope.cu``, QK
+norm + RoPE forward and backward), which includes the shared device code (``*.cuh``) through
+NVRTC's include path. Each (storage type, weight type, plan, ...) is an instantiation, compiled
+the first time a call needs it on a device and kept in ``kernel_cache`` as a launchable
+function. CuPy's disk cache keeps the binaries
 across processes; its key covers a program's own text and the options, not the headers it
 includes, so the options carry a digest of every file in ``kernels/``: a changed header
 never brings back a stale binary.
@@ -24,7 +25,8 @@ import threading
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_bf16.h"
 
-PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu", "gated": "rms_norm_gated.cu"}
+PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu", "gated": "rms_norm_gated.cu",
+            "qk_rope": "qk_norm_rope.cu"}
 KERNEL_SUFFIXES = (".cu", ".cuh")
 
 

@@ -56,6 +56,11 @@ class NumpyKind(_PlainKind):
         return np.ascontiguousarray(a)
 
     @staticmethod
+    def broadcast_to(a, shape):
+        """A zero-copy view of ``a`` broadcast to ``shape`` (steps of 0 on the new axes)."""
+        return np.broadcast_to(a, shape)
+
+    @staticmethod
     def native(a):
         """``a`` in its machine's byte order (a copy only when it is not already)."""
         return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
@@ -102,6 +107,10 @@ class CupyKind(_PlainKind):
         cupy = _cupy()
         with cupy.cuda.Device(a.data.device_id):
             return cupy.ascontiguousarray(a)
+
+    @staticmethod
+    def broadcast_to(a, shape):
+        return _cupy().broadcast_to(a, shape)
 
     @staticmethod
     def as_dtype(a, dtype_name):
@@ -209,6 +218,10 @@ class TorchKind:
     @staticmethod
     def contiguous(t):
         return t.contiguous()
+
+    @staticmethod
+    def broadcast_to(t, shape):
+        return t.expand(shape)
 
     @staticmethod
     def as_dtype(t, dtype_name):
@@ -369,6 +382,18 @@ def _extra_key(a):
     if cupy is not None and type(a) is cupy.ndarray:
         return _cupy_key(a)
     return _torch_output_key(a)     # anything else but a tensor fails an attribute here
+
+
+def qk_rope_signature(tag, arrays, eps, weight_offset, casting_mode, rope):
+    """``signature`` of a QK norm + RoPE call, forward or backward (``tag``): ``arrays`` its ten
+    (QkRopeArrays or QkRopeBackwardArrays order), ``rope`` its (rotary_dim, is_neox)."""
+    sig = signature(tag, arrays[:5], eps, weight_offset, casting_mode)
+    if sig is None:
+        return None
+    try:
+        return sig, rope, tuple(_extra_key(a) for a in arrays[5:])
+    except (AttributeError, TypeError, RuntimeError):
+        return None
 
 
 def quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant):

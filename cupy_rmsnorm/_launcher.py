@@ -10,7 +10,8 @@ and the fused op) and ``QuantLauncher`` (their quantized forms) share the launch
 (``_launch``): the kernel's pointer slots and its Params live in one host buffer per
 launcher, so a repeated call writes its pointers and launches through the driver
 (``_driver``), with no argument packing of CuPy's. ``BackwardLauncher`` launches the
-backward's dx kernel and its dweight reduction.
+backward's dx kernel and its dweight reduction. The gated and QK norm + RoPE ops have a launcher
+of each kind too.
 """
 
 import ctypes
@@ -21,15 +22,17 @@ import numpy as np
 
 from . import _cache, _driver
 from ._abi import (ADD_GRAD, BACKWARD_PARAMS_DTYPE, DIRECT_WEIGHT, EARLY_TRIGGER, GATED_BACKWARD_PARAMS_DTYPE,
-                   GATED_PARAMS_DTYPE, HAS_WEIGHT, ITEMSIZES, LLAMA, PARAMS_DTYPE, QUANT_PARAMS_DTYPE, REDUCE_BLOCK, REDUCE_COLUMNS,
-                   REDUCE_PARAMS_DTYPE, ROUND_PRODUCT, WEIGHT_GRAD, backward_instantiation_name,
+                   GATED_PARAMS_DTYPE, HAS_WEIGHT, INT64_POSITIONS, ITEMSIZES, LLAMA, PARAMS_DTYPE,
+                   QK_ROPE_BACKWARD_PARAMS_DTYPE, QK_ROPE_PARAMS_DTYPE, QUANT_PARAMS_DTYPE, REDUCE_BLOCK,
+                   REDUCE_COLUMNS, REDUCE_PARAMS_DTYPE, ROUND_PRODUCT, WEIGHT_GRAD, backward_instantiation_name,
                    gated_backward_instantiation_name, gated_instantiation_name, instantiation_name,
-                   kernel_weight_offset, quant_instantiation_name, reduce_instantiation_name, row_kernel_flags)
+                   kernel_weight_offset, qk_rope_backward_instantiation_name, qk_rope_instantiation_name,
+                   quant_instantiation_name, reduce_instantiation_name, row_kernel_flags)
 from ._compile import kernel_cache
 from ._layout import (B_WEIGHT, OUT, RESIDUAL, RESIDUAL_OUT, SCALE, SCALES, WEIGHT, X, BackwardArrays,
                       backward_layout, new_scales)
 from ._plan import (backward_plan, backward_refit_keywords, early_trigger, fits_32_bit_offsets, gated_backward_plan,
-                    gated_plan, launch_plan, vector_width_from_bits)
+                    gated_plan, launch_plan, qk_rope_backward_plan, qk_rope_plan, vector_width_from_bits)
 
 _ROW_STRIDE_FIELDS = {X: "x", RESIDUAL: "residual", OUT: "out", RESIDUAL_OUT: "residual_out"}
 KERNEL_POINTERS = (X, RESIDUAL, OUT, RESIDUAL_OUT, WEIGHT)   # the forward kernel's pointer arguments, in order
@@ -782,3 +785,236 @@ class MixedBackward:
             self._launcher = BackwardLauncher(layout, self.scalars, kind, self.dy_dtype)
         dx, dweight = self._launcher(up, weight_grad)
         return (dx if self.x_dtype == "float32" else kind.as_dtype(dx, self.x_dtype)), dweight
+
+
+# -- QK norm + RoPE --------------------------------------------------------------------------------
+# The forward kernel's pointer slots, by argument (the cache takes cos's slot in its convention).
+QK_ROPE_SLOTS = {"q": 0, "k": 1, "out_q": 2, "out_k": 3, "q_weight": 4, "k_weight": 5, "cos": 6, "cos_sin_cache": 6,
+                 "sin": 7, "positions": 8}
+_HEAD_MAJOR = ("q", "k", "out_q", "out_k")
+
+
+def _qk_rope_params(params, layout, scalars, arrays):
+    """Fill the fields a forward and a backward Params share: the tokens, each of ``arrays``'
+    token strides (and head strides where it has heads), the angles' arrays, the sizes and the
+    scalars; the flags but for the weights' and the backward's."""
+    params["tokens"], params["n_inner"] = layout.tokens, layout.n_inner
+    for name in arrays:
+        params[name] = layout.token_strides.get(name, (0, 0))
+        if name in layout.head_strides:
+            params[name + "_head"] = layout.head_strides[name]
+    for name in ("cos", "sin", "positions"):
+        params[name] = layout.token_strides.get(name, (0, 0))
+    params["cache_row"], params["max_position"] = layout.cache_row, layout.max_position
+    params["q_heads"], params["k_heads"] = layout.q_heads, layout.k_heads
+    params["head_dim"], params["rotary_dim"] = layout.head_dim, layout.spec.rotary_dim
+    params["eps"], params["weight_offset"] = scalars.eps, kernel_weight_offset(scalars)
+    return (LLAMA if scalars.llama else 0) | (INT64_POSITIONS if layout.int64_positions else 0)
+
+
+def _qk_rope_stride_bits(layout, names):
+    """The OR of the byte steps between heads of ``names`` (token and head strides) and of
+    head_dim: with the arrays' addresses, what decides the vector width (every head of every
+    array on its grid, whole vectors)."""
+    bits = layout.head_dim * layout.itemsize
+    for name in names:
+        so, si = layout.token_strides[name]
+        bits |= (so | si | layout.head_strides[name]) * layout.itemsize
+    return bits
+
+
+class QkRopeLauncher(SlotLauncher):
+    """Launches one signature of qk_norm_rope (qk_norm_rope_kernel): called with the ten of
+    QkRopeArrays. Every head of q, k and the outputs starts on the vector grid and holds whole
+    vectors (the vector width is the widest their addresses and strides allow). A given output
+    may be its own input (in place); an overlap the pointer windows cannot rule out goes to the
+    full path, unless the full path has proved these very pointer differences apart before (the
+    views of one packed projection, call after call)."""
+
+    slots = 9
+
+    def __init__(self, layout, scalars, kind):
+        super().__init__(kind, layout.device)
+        self.layout, self.itemsize = layout, layout.itemsize
+        self.items = layout.tokens * (layout.q_heads + layout.k_heads)
+        self.cache = layout.spec.cache
+        params = np.zeros(1, QK_ROPE_PARAMS_DTYPE)
+        flags = _qk_rope_params(params, layout, scalars, _HEAD_MAJOR)
+        params["flags"] = flags | (HAS_WEIGHT if layout.weight_dtype else 0)
+        self.params = params
+        self.stride_bits = _qk_rope_stride_bits(layout, _HEAD_MAJOR)
+        self._item_mask = self.itemsize - 1
+        self._weight_mask = (layout.weight_itemsize or 1) - 1
+        self._table_mask = layout.table_itemsize - 1
+        self._position_mask = 7 if layout.int64_positions else 3
+        ext = layout.extents
+        pairs = []
+        for n, out in enumerate(layout.given_outputs):     # each given output against the rest
+            own = "q" if out == "out_q" else "k"
+            for other in [a for a in ext if a not in ("out_q", "out_k")] + list(layout.given_outputs[:n]):
+                same_ok = other == own and layout.token_strides[out] == layout.token_strides[own] \
+                    and layout.head_strides[out] == layout.head_strides[own]
+                pairs.append(_apart(QK_ROPE_SLOTS[out], ext[out], QK_ROPE_SLOTS[other], ext[other], same_ok))
+        self._overlap_pairs = tuple(pairs)
+        self._proven = (None,) * len(pairs)   # pointer differences the full path proved apart
+        shape_q, shape_k = layout.tokens_shape + (layout.q_heads, layout.head_dim), \
+            layout.tokens_shape + (layout.k_heads, layout.head_dim)
+        self._new_q = lambda q: kind.empty_of(q, shape_q)
+        self._new_k = lambda q: kind.empty_of(q, shape_k)
+
+    def plan_and_function(self, vec, edges=False):
+        entry = self._by_vec.get(vec)
+        if entry is None:
+            layout, forced = self.layout, _cache.plan_overrides
+            plan = qk_rope_plan(layout.tokens, layout.q_heads + layout.k_heads, layout.head_dim,
+                                layout.spec.rotary_dim, layout.spec.is_neox, vec,
+                                threads_per_head=forced.get("threads_per_row"),
+                                vecs_per_thread=forced.get("vecs_per_thread"))
+            _cache.record_plan(plan)
+            name = qk_rope_instantiation_name(layout.dtype, layout.weight_dtype, layout.table_dtype, plan, self.cache)
+            entry = self._by_vec[vec] = (plan, kernel_cache.get(self.device.index, name, "qk_rope"))
+        return entry
+
+    def edges(self, vec, x_ptr):
+        return False                # every head on the vector grid, whole vectors
+
+    def _overlapping(self, pointers):
+        proven = self._proven
+        for n, (a, b, low, high, same_ok) in enumerate(self._overlap_pairs):
+            d = pointers[b] - pointers[a]
+            if low < d < high and not (same_ok and d == 0) and d != proven[n]:
+                return True
+        return False
+
+    def _run(self, arrays, checked=False):
+        q, k, q_weight, k_weight, cos, sin, positions, cache, out_q, out_k = arrays
+        ptr = self._ptr
+        pq, pk = ptr(q), ptr(k)
+        pqw = 0 if q_weight is None else ptr(q_weight)
+        pkw = 0 if k_weight is None else ptr(k_weight)
+        if self.cache:
+            pcos, psin, ppos = ptr(cache), 0, ptr(positions)
+        else:
+            pcos, psin, ppos = ptr(cos), ptr(sin), 0
+        poq = 0 if out_q is None else ptr(out_q)
+        pok = 0 if out_k is None else ptr(out_k)
+        if ((pq | pk | poq | pok) & self._item_mask or (pqw | pkw) & self._weight_mask
+                or (pcos | psin) & self._table_mask or ppos & self._position_mask):
+            return None
+        pointers = (pq, pk, poq, pok, pqw, pkw, pcos, psin, ppos)
+        if self._overlap_pairs:
+            if checked:                 # validated just now, exactly: these differences are apart
+                self._proven = tuple(pointers[b] - pointers[a] for a, b, _, _, _ in self._overlap_pairs)
+            elif self._overlapping(pointers):
+                return None
+        if out_q is None:
+            out_q = self._new_q(q)
+            poq = ptr(out_q)
+        if out_k is None:
+            out_k = self._new_k(q)
+            pok = ptr(out_k)
+        if self.items:
+            self._launch(self.stride_bits | pq | pk | poq | pok, pq, (pq, pk, poq, pok, pqw, pkw, pcos, psin, ppos))
+        return out_q, out_k
+
+
+class QkRopeBackwardLauncher:
+    """Launches the backward of one qk_norm_rope signature: qk_norm_rope_backward_kernel, then
+    (more than one block) the dweight reduction over [q's head_dim | k's] columns. As
+    BackwardLauncher, a call builds its arguments afresh; dq and dk are fresh and contiguous."""
+
+    _ARRAYS = ("dq_out", "dk_out", "q", "k", "dq", "dk")
+
+    def __init__(self, layout, scalars, kind):
+        self.kind, self.layout = kind, layout
+        self.device = _driver.device(layout.device)
+        self.itemsize, self.head_dim = layout.itemsize, layout.head_dim
+        self.items = layout.tokens * (layout.q_heads + layout.k_heads)
+        params = np.zeros(1, QK_ROPE_BACKWARD_PARAMS_DTYPE)
+        self.flags = _qk_rope_params(params, layout, scalars, self._ARRAYS)
+        self.params = params
+        self.stride_bits = _qk_rope_stride_bits(layout, self._ARRAYS)
+        shape_q, shape_k = layout.tokens_shape + (layout.q_heads, layout.head_dim), \
+            layout.tokens_shape + (layout.k_heads, layout.head_dim)
+        self._new = lambda q: (kind.empty_of(q, shape_q), kind.empty_of(q, shape_k))
+        self._by_vec = {}
+        self._reduce = None
+        self._lock = threading.Lock()
+
+    def plan_and_function(self, vec):
+        """The plan (its grid fitted to the kernel's occupancy) and kernel for a vector width."""
+        entry = self._by_vec.get(vec)
+        if entry is None:
+            d, layout = self.device, self.layout
+            forced = dict(_cache.backward_overrides)
+            cap = forced.pop("max_blocks_per_sm", None)
+            geometry = dict(threads_per_head=forced.get("threads_per_row"),
+                            vecs_per_thread=forced.get("vecs_per_thread"))
+            args = (layout.tokens, layout.q_heads + layout.k_heads, layout.head_dim, layout.spec.rotary_dim,
+                    layout.spec.is_neox, vec, d.sm_count)
+            plan = qk_rope_backward_plan(*args, max_blocks_per_sm=cap, **geometry)
+            name = qk_rope_backward_instantiation_name(layout.dtype, layout.weight_dtype, layout.table_dtype, plan,
+                                                       layout.spec.cache)
+            fn = kernel_cache.get(d.index, name, "qk_rope")
+            from cupy_backends.cuda.api import driver
+            _driver.ensure_context(d.index)
+            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
+            plan = qk_rope_backward_plan(*args, max_blocks_per_sm=min(per_sm, cap or per_sm),
+                                         threads_per_head=plan.threads_per_head, vecs_per_thread=plan.vecs_per_thread)
+            _cache.record_plan(plan)
+            entry = self._by_vec[vec] = (plan, _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block))
+        return entry
+
+    def reduce_kernel(self):
+        if self._reduce is None:
+            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self.layout.weight_dtype), "qk_rope")
+            grid = -(-2 * self.head_dim // REDUCE_COLUMNS)
+            self._reduce = _driver.KernelLaunch(fn.ptr, (grid, 1), REDUCE_BLOCK)
+        return self._reduce
+
+    def __call__(self, arrays, weight_grad=True):
+        """(dq, dk, dq_weight, dk_weight) for ``arrays`` (QkRopeBackwardArrays); the weights'
+        gradients are None without weights or when ``weight_grad`` is False."""
+        from cupy import cuda
+        if cuda.runtime.getDevice() == self.device.index:
+            return self._run(arrays, weight_grad)
+        with cuda.Device(self.device.index):
+            return self._run(arrays, weight_grad)
+
+    def _run(self, arrays, weight_grad):
+        kind, ptr, d = self.kind, self.kind.ptr, self.head_dim
+        dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, positions, cache = arrays
+        want_dw = q_weight is not None and weight_grad
+        dq, dk = self._new(q)
+        if self.items == 0:
+            return dq, dk, *((kind.zeros_like(q_weight), kind.zeros_like(k_weight)) if want_dw else (None, None))
+        pointers = [ptr(a) for a in (dq_out, dk_out, q, k, dq, dk)]
+        bits = self.stride_bits
+        for p in pointers:
+            bits |= p
+        plan, kernel = self.plan_and_function(vector_width_from_bits(self.itemsize, bits))
+        partials = dweight = None
+        direct = want_dw and plan.grid == 1                 # one block: no reduction
+        if want_dw:
+            dweight = kind.empty_of(q_weight, (2 * d,))
+            if not direct:
+                partials = kind.empty_of(q, (plan.partials, 2 * d), "float32")
+        params = self.params.copy()
+        params["items_per_block"] = plan.items_per_block
+        params["flags"] = (self.flags | (HAS_WEIGHT if q_weight is not None else 0) | (WEIGHT_GRAD if want_dw else 0)
+                           | (DIRECT_WEIGHT if direct else 0))
+        tables = (ptr(cache), 0, ptr(positions)) if self.layout.spec.cache else (ptr(cos), ptr(sin), 0)
+        weights = (0, 0) if q_weight is None else (ptr(q_weight), ptr(k_weight))
+        argv, held = _argv(pointers + [*weights, *tables, ptr(partials) if partials is not None else 0,
+                                       ptr(dweight) if dweight is not None else 0, params])
+        with self._lock:
+            stream = kind.stream(self.device.index)
+            _driver.launch(self.device, kernel, stream, argv)
+            if want_dw and not direct:
+                rp = np.zeros(1, REDUCE_PARAMS_DTYPE)
+                rp["partials"], rp["hidden"] = plan.partials, 2 * d
+                rargv, rheld = _argv([ptr(partials), ptr(dweight), rp])
+                _driver.launch(self.device, self.reduce_kernel(), stream, rargv)
+        if dweight is None:
+            return dq, dk, None, None
+        return dq, dk, dweight[:d], dweight[d:]

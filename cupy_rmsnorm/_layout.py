@@ -605,3 +605,233 @@ def gated_backward_layout(kind, arrays, metas, group_size):
     layout = GatedBackwardLayout(call, hidden // (group_size or hidden), mdy.dtype, mw.dtype if mw else None,
                                  mw.itemsize if mw else 0)
     return GatedBackwardArrays(four.dy, four.x, four.d_residual_out, weight), layout
+
+
+# -- QK norm + RoPE --------------------------------------------------------------------------------
+
+class QkRopeArrays(NamedTuple):
+    """A QK norm + RoPE call's arrays (None where absent): the inputs, then the outputs."""
+    q: object
+    k: object
+    q_weight: object = None
+    k_weight: object = None
+    cos: object = None
+    sin: object = None
+    positions: object = None
+    cos_sin_cache: object = None
+    out_q: object = None
+    out_k: object = None
+
+
+class QkRopeBackwardArrays(NamedTuple):
+    """A QK norm + RoPE backward call's inputs: the gradients of the outputs, then the forward's
+    arguments."""
+    dq_out: object
+    dk_out: object
+    q: object
+    k: object
+    q_weight: object = None
+    k_weight: object = None
+    cos: object = None
+    sin: object = None
+    positions: object = None
+    cos_sin_cache: object = None
+
+
+QK_ROPE_OUTPUTS = (8, 9)                            # QkRopeArrays positions of out_q, out_k
+QK_ROPE_FRESH = {"out_q": "q", "out_k": "k", "dq": "q", "dk": "k"}   # an output and the input it is shaped like
+
+
+class QkRopeLayout(NamedTuple):
+    """Everything about a validated QK norm + RoPE call (forward or backward) but the addresses.
+
+    The tokens (q's leading axes) are two strided levels, tokens = outer x inner (n_inner);
+    per array by argument name (fresh outputs too: out_q / out_k, or the backward's dq / dk):
+    token_strides: a token's (outer, inner) step in elements (0 for a level of one token);
+    head_strides: q-shaped and k-shaped arrays' step from head to head (0 with one head);
+    extents: [lo, hi) bytes its elements cover, relative to its pointer (the given arrays).
+    cos, sin and positions that broadcast over tokens have steps of 0 there.
+    """
+    spec: tuple                  # the QkRopeSpec: rotary_dim, is_neox, cache
+    tokens_shape: tuple
+    tokens: int
+    n_inner: int
+    q_heads: int
+    k_heads: int
+    head_dim: int
+    dtype: str
+    itemsize: int
+    weight_dtype: Optional[str]
+    weight_itemsize: int
+    table_dtype: str
+    table_itemsize: int
+    int64_positions: bool
+    cache_row: int
+    max_position: int
+    device: int
+    token_strides: dict
+    head_strides: dict
+    extents: dict
+    given_outputs: tuple
+    copied: bool
+
+
+def _element_aligned(m):
+    return m.strides is not None and m.ptr % m.itemsize == 0
+
+
+def _span_levels(levels, span, itemsize):
+    """[lo, hi) bytes, relative to the pointer, of ``span`` consecutive elements repeated over
+    ``levels`` ((count, stride in elements) pairs)."""
+    lo = hi = 0
+    for count, stride in levels:
+        if count > 1:
+            lo, hi = (lo + (count - 1) * stride, hi) if stride < 0 else (lo, hi + (count - 1) * stride)
+    return lo * itemsize, (hi + span) * itemsize
+
+
+def _fake_levels(ptr, levels, span, itemsize):
+    """A NumPy view at a device address over ``levels`` and ``span``, never dereferenced: for
+    np.shares_memory."""
+    shape = tuple(n for n, _ in levels) + (span,)
+    strides = tuple(s * itemsize for _, s in levels) + (itemsize,)
+
+    class _I:
+        __array_interface__ = {"shape": shape, "typestr": f"|V{itemsize}", "data": (ptr, True), "strides": strides,
+                               "version": 3}
+    return np.asarray(_I())
+
+
+def _overlaps_itself(levels, span):
+    """Whether two of the elements an output's ``levels`` and ``span`` address may be one
+    (a level whose step does not pass everything the finer levels cover)."""
+    covered = span
+    for stride, count in sorted((abs(s), n) for n, s in levels if n > 1):
+        if stride < covered:
+            return True
+        covered = stride * (count - 1) + covered
+    return False
+
+
+def qk_rope_layout(kind, arrays, metas, spec, copied=False):
+    """The QkRopeLayout of a validated call and its arrays (a QkRopeArrays or a
+    QkRopeBackwardArrays, with its Meta records): cos, sin and positions broadcast to the tokens
+    (zero-copy views), inputs the kernel cannot read in place (a strided last axis, leading axes
+    past two strided levels) replaced by contiguous copies. ValueError for outputs that cannot
+    be written as laid out, or that overlap what they must not: an output may be its own input
+    (out_q=q, out_k=k: in place) and share memory with nothing else."""
+    make, names = type(arrays), type(arrays)._fields
+    arrays, metas = dict(zip(names, arrays)), dict(zip(names, metas))
+    outputs = [name for name in ("out_q", "out_k") if metas.get(name) is not None]
+    qm = metas["q"]
+    tokens_shape, head_dim = tuple(qm.shape[:-2]), qm.shape[-1]
+    rd = spec.rotary_dim
+
+    def copy(name):
+        nonlocal copied
+        copied = True
+        arrays[name] = kind.contiguous(arrays[name])
+        metas[name] = kind.meta(arrays[name])
+
+    for name, shape in (("cos", tokens_shape + (rd,)), ("sin", tokens_shape + (rd,)), ("positions", tokens_shape)):
+        if metas[name] is not None and tuple(metas[name].shape) != shape:
+            arrays[name] = kind.broadcast_to(arrays[name], shape)
+            metas[name] = kind.meta(arrays[name])
+    for name in outputs:
+        m = metas[name]
+        if not _unit_last(m, head_dim):
+            raise ValueError(f"{name} must have a unit-stride last axis, element-aligned; got strides {m.strides} "
+                             f"(in elements) at address {m.ptr:#x}")
+    for name, m in list(metas.items()):
+        if m is None or name in outputs:
+            continue
+        if not (_element_aligned(m) if name == "positions" else _unit_last(m, m.shape[-1])):
+            copy(name)
+    heads = {name: m.shape[-2] for name, m in metas.items() if m is not None and name in ("q", "k", "dq_out", "dk_out",
+                                                                                           "out_q", "out_k")}
+    token_axes = {name: len(tokens_shape) for name in heads}
+    token_axes.update({name: len(tokens_shape) for name in ("cos", "sin", "positions") if metas[name] is not None})
+    order = outputs + [name for name in token_axes if name not in outputs]  # outputs first: they set the split
+    lead = tokens_shape + (1,)
+    layout = row_layout(lead, [metas[name].strides[:token_axes[name]] for name in order])
+    for name, st in zip(order, layout.strides):
+        if st is None and name in outputs:
+            raise ValueError(f"{name}'s leading axes cannot be addressed as at most two strided levels alongside "
+                             f"the other arrays; pass a contiguous one")
+    if any(st is None for st in layout.strides):
+        for name, st in zip(order, layout.strides):
+            if st is None:
+                copy(name)
+        layout = row_layout(lead, [metas[name].strides[:token_axes[name]] for name in order])
+        if any(st is None for st in layout.strides):
+            raise ValueError("out_q and out_k need leading-axis layouts that agree; pass contiguous outputs")
+    tokens, n_inner = layout.rows, layout.n_inner
+    n_outer = tokens // n_inner if n_inner else 0
+    token_strides = {name: (so if n_outer > 1 else 0, si if n_inner > 1 else 0)
+                     for name, (so, si) in zip(order, layout.strides)}
+    head_strides = {name: (metas[name].strides[-2] if heads[name] > 1 else 0) for name in heads}
+    fresh = ("dq", "dk") if "dq_out" in names else tuple(n for n in ("out_q", "out_k") if n not in outputs)
+    for name in fresh:                           # contiguous
+        h = metas[QK_ROPE_FRESH[name]].shape[-2]
+        token_strides[name] = (h * head_dim * n_inner if n_outer > 1 else 0, h * head_dim if n_inner > 1 else 0)
+        head_strides[name] = head_dim if h > 1 else 0
+    token_levels = lambda name: [(n_outer, token_strides[name][0]), (n_inner, token_strides[name][1])]  # noqa: E731
+    levels, spans = {}, {}
+    for name in heads:
+        levels[name], spans[name] = token_levels(name) + [(heads[name], head_strides[name])], head_dim
+    for name in ("cos", "sin", "positions"):
+        if metas[name] is not None:
+            levels[name], spans[name] = token_levels(name), (rd if name != "positions" else 1)
+    for name in ("q_weight", "k_weight"):
+        if metas[name] is not None:
+            levels[name], spans[name] = [], head_dim
+    cm = metas["cos_sin_cache"]
+    if cm is not None:
+        levels["cos_sin_cache"], spans["cos_sin_cache"] = [(cm.shape[0], cm.strides[0])], rd
+    extents = {name: _span_levels(levels[name], spans[name], metas[name].itemsize) for name in levels}
+    if tokens and outputs:
+        _check_qk_rope_overlap(outputs, metas, levels, spans, extents)
+    wm, tm = metas["q_weight"], metas["cos_sin_cache"] if spec.cache else metas["cos"]
+    pm = metas["positions"]
+    result = QkRopeLayout(spec, tokens_shape, tokens, n_inner, metas["q"].shape[-2], metas["k"].shape[-2], head_dim,
+                          qm.dtype, qm.itemsize, wm.dtype if wm else None, wm.itemsize if wm else 0, tm.dtype,
+                          tm.itemsize, pm is not None and pm.dtype == "int64",
+                          cm.strides[0] if cm is not None else 0, cm.shape[0] if cm is not None else 0, qm.device,
+                          token_strides, head_strides, extents, tuple(outputs), copied)
+    return make(**{name: arrays[name] for name in names}), result
+
+
+def _check_qk_rope_overlap(outputs, metas, levels, spans, extents):
+    """ValueError when a given output's heads overlap each other, or the output shares memory
+    with an array other than its own input (out_q with q, out_k with k: the very same array)."""
+    own = {"out_q": "q", "out_k": "k"}
+    for name in outputs:
+        if _overlaps_itself(levels[name], spans[name]):
+            raise ValueError(f"{name} has heads that overlap each other in memory (a broadcast or too-small stride), "
+                             f"or may: its strides were refused as possibly overlapping; it cannot be written")
+    for n, name in enumerate(outputs):
+        m = metas[name]
+        others = [o for o in levels if o not in outputs] + outputs[:n]
+        for other in others:
+            om = metas[other]
+            lo, hi = extents[name]
+            olo, ohi = extents[other]
+            if m.ptr + hi <= om.ptr + olo or om.ptr + ohi <= m.ptr + lo:
+                continue
+            if other == own[name] and m.ptr == om.ptr and levels[name] == levels[other] and m.itemsize == om.itemsize:
+                continue                         # the very same array: in place
+            try:
+                found = np.shares_memory(_fake_levels(m.ptr, levels[name], spans[name], m.itemsize),
+                                         _fake_levels(om.ptr, levels[other], spans[other], om.itemsize),
+                                         max_work=10**6)
+                found = "partial" if found else None
+            except _TooHardError:
+                found = "maybe"
+            if not found:
+                continue
+            if other in outputs:
+                raise ValueError("out_q and out_k must not share memory" + _MAYBE.get(found, ""))
+            if other == own[name]:
+                raise ValueError(f"{name} partially overlaps {other}: pass the very same array ({name}={other}) to "
+                                 f"work in place, or memory apart from it" + _MAYBE.get(found, ""))
+            raise ValueError(f"{name} overlaps {other}; pass memory apart from it" + _MAYBE.get(found, ""))

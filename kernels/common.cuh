@@ -68,6 +68,12 @@ struct RowStrides {
     long long outer, inner;
 };
 
+// Row r's indices on its two leading axes.
+__device__ __forceinline__ void split_rows(long long r, long long n_inner, long long& outer, long long& inner) {
+    outer = r, inner = 0;
+    if (n_inner != 1) { outer = r / n_inner; inner = r - outer * n_inner; }
+}
+
 // A row's first element: (outer, inner) in 64-bit arithmetic, or with FLAT (the launcher's
 // promise: n_inner == 1 and every offset of the call's arrays under 2^31) one 32-bit multiply.
 template <bool FLAT>

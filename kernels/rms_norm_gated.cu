@@ -108,12 +108,6 @@ __device__ __forceinline__ Pack<O, VEC> gated_vector(const Pack<T, VEC>& a, cons
     return o;
 }
 
-// Row r's indices on its two leading axes.
-__device__ __forceinline__ void split_rows(long long r, long long n_inner, long long& outer, long long& inner) {
-    outer = r, inner = 0;
-    if (n_inner != 1) { outer = r / n_inner; inner = r - outer * n_inner; }
-}
-
 // A group of THREADS_PER_ROW threads owns one row (up to 32: several rows a block of 256,
 // reduced with warp shuffles; more: one row a block), as the plain forward kernel's plans.
 template <typename T, typename W, typename O, int VEC, int THREADS_PER_ROW, int VECS_PER_THREAD, bool GATE_FIRST,

@@ -157,3 +157,22 @@ def test_quant_enums_and_constants_match():
     assert _reference.GROUP_SIZES == (_plan.QUANT_GROUP,)
     divisor = float(re.search(r"constexpr float kMinScaleDivisor = ([\d.]+)f;", src).group(1))
     assert divisor == _reference.MIN_SCALE_DIVISOR
+
+
+def test_qk_rope_params_and_flags_match_the_kernel():
+    src = kernel_source()
+    for struct, size_attr, dtype in (("QkRopeParams", "QK_ROPE_PARAMS_BYTES", _abi.QK_ROPE_PARAMS_DTYPE),
+                                     ("QkRopeBackwardParams", "QK_ROPE_BACKWARD_PARAMS_BYTES",
+                                      _abi.QK_ROPE_BACKWARD_PARAMS_DTYPE)):
+        size = int(re.search(r"static_assert\(sizeof\(%s\) == (\d+)" % struct, src).group(1))
+        assert size == getattr(_abi, size_attr) == dtype.itemsize, struct
+        fields = _struct_fields(src, struct)
+        assert [f for f, _ in fields] == list(dtype.names), struct
+        for name, ctype in fields:
+            assert dtype.fields[name][0].itemsize == _SIZES[ctype], (struct, name)
+        offsets = [dtype.fields[n][1] for n in dtype.names]
+        assert offsets == sorted(offsets) and sum(_SIZES[t] for _, t in fields) == size, struct
+    flags = _enum("QkRopeFlags")
+    assert flags == _abi.QK_ROPE_FLAGS
+    used = set(_abi.FLAGS.values()) | set(_abi.BACKWARD_FLAGS.values())
+    assert not set(flags.values()) & used           # one Params.flags word
