@@ -263,7 +263,8 @@ def qk_norm_rope(q: Array, k: Array, q_weight: Optional[Array], k_weight: Option
     Args:
         q: (..., q_heads, head_dim) float32, float16 or bfloat16 array: CuPy (runs on the GPU, on
             CuPy's current stream), NumPy (runs the reference on the CPU), a PyTorch CUDA tensor
-            (no autograd yet) or a CUDA ``__dlpack__`` producer. Any strided leading axes, e.g.
+            (autograd and torch.compile through the registered ops; the angles get no gradient)
+            or a CUDA ``__dlpack__`` producer. Any strided leading axes, e.g.
             the per-head views of a packed ``(T, (q_heads + 2 k_heads) * head_dim)`` projection.
         k: (..., k_heads, head_dim), q's dtype and leading axes.
         q_weight, k_weight: (head_dim,) of q's dtype or float32 (both of one dtype), or both None.

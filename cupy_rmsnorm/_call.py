@@ -45,15 +45,19 @@ _compiling = None       # torch.compiler.is_dynamo_compiling once the torch laye
 _torch_forward = None   # the torch layer's forward through the registered ops (tracing; autograd)
 _torch_quant = None     # the same for the quantized forms
 _torch_gated = None     # and for the gated one
+_torch_qk_rope = None   # QK norm + RoPE, forward and backward
+_torch_qk_rope_backward = None
 
 
-def install_torch(compiling, forward, quant, gated):
+def install_torch(compiling, forward, quant, gated, qk_rope, qk_rope_backward):
     """Called by the torch layer when it is loaded: calls made while torch.compile traces go to
-    its registered ops (``forward``, ``quant`` and ``gated`` take the arguments of
-    ``forward_call``, ``quant_call`` and ``gated_call``; ``forward`` and ``gated`` also take
+    its registered ops (``forward``, ``quant``, ``gated``, ``qk_rope`` and ``qk_rope_backward``
+    take the arguments of ``forward_call``, ``quant_call``, ``gated_call``, ``qk_rope_call`` and
+    ``qk_rope_backward_call``; ``forward``, ``gated`` and ``qk_rope`` also take
     ``differentiable=True`` for eager autograd)."""
-    global _compiling, _torch_forward, _torch_quant, _torch_gated
+    global _compiling, _torch_forward, _torch_quant, _torch_gated, _torch_qk_rope, _torch_qk_rope_backward
     _torch_forward, _torch_quant, _torch_gated = forward, quant, gated
+    _torch_qk_rope, _torch_qk_rope_backward = qk_rope, qk_rope_backward
     TorchKind.bind()
     _compiling = compiling
 
@@ -409,23 +413,8 @@ def gated_backward_call(arrays, eps, weight_offset, casting_mode, group_size, no
 
 
 # -- QK norm + RoPE ----------------------------------------------------------------------------------
-# Torch tensors run on the direct path (no registered op yet): a call that autograd would have to
-# record, or that torch.compile traces, is refused rather than run without its gradient.
 QK_ROPE_NAMES = QkRopeArrays._fields
 QK_ROPE_BACKWARD_NAMES = QkRopeBackwardArrays._fields
-
-
-def _refuse_qk_rope_trace():
-    """Before the signature lookup, as forward_call's check: nothing for dynamo to trace yet."""
-    torch = sys.modules.get("torch")
-    if torch is not None and (_compiling() if _compiling is not None else torch.compiler.is_dynamo_compiling()):
-        raise RuntimeError("qk_norm_rope has no registered torch op yet: torch.compile cannot trace it")
-
-
-def _refuse_torch_autograd(kind, arrays):
-    if kind is TorchKind and _interop.autograd_records(arrays):
-        raise RuntimeError("qk_norm_rope does not record autograd yet: call it under torch.no_grad() (or on tensors "
-                           "that do not require grad) and take gradients with qk_norm_rope_backward")
 
 
 def _numpy_rope_tables(arrays, spec):
@@ -440,28 +429,32 @@ def _numpy_rope_tables(arrays, spec):
     return dict(cos=arrays.cos, sin=arrays.sin)
 
 
-def _checked_qk_rope(arrays, names, eps, weight_offset, casting_mode, rotary_dim, is_neox, outputs=(), gradients=0):
-    """The full path's checks of a forward or backward call: (the Resolved call, its Scalars, its
-    QkRopeSpec with rotary_dim set). ``outputs``: the positions of given outputs; ``gradients``:
-    how many output gradients lead ``arrays`` (the backward's dq_out and dk_out; q anchors the
-    kind)."""
+def _qk_rope_kind(arrays, names, eps, weight_offset, casting_mode, rotary_dim, is_neox, gradients=0):
+    """The full path's first checks of a forward or backward call: (its Scalars, its QkRopeSpec,
+    and array_kind's kind, arrays and cacheable). ``gradients``: how many output gradients lead
+    ``arrays`` (the backward's dq_out and dk_out; q anchors the kind)."""
     scalars = _validate.check_scalars(eps, weight_offset, casting_mode, arrays.q_weight is not None)
     spec = _validate.check_qk_rope(arrays, rotary_dim, is_neox)
-    kind, kinds_arrays, cacheable = array_kind(arrays, names, anchor=gradients)
-    _refuse_torch_autograd(kind, kinds_arrays)
-    call = prepare(kind, kinds_arrays, names, outputs, cacheable)
+    return (scalars, spec) + array_kind(arrays, names, anchor=gradients)
+
+
+def _prepared_qk_rope(kind, arrays, names, cacheable, spec, outputs=(), gradients=0):
+    """The Resolved call of checked kind and its QkRopeSpec with rotary_dim set (``outputs``: the
+    positions of given outputs)."""
+    call = prepare(kind, arrays, names, outputs, cacheable)
     metas = call.metas
     if gradients:
         forward = QkRopeArrays(*metas[gradients:])
-        spec = _validate.check_qk_rope_arrays(forward, spec, metas[:gradients])
-    else:
-        spec = _validate.check_qk_rope_arrays(metas, spec)
-    return call, scalars, spec
+        return call, _validate.check_qk_rope_arrays(forward, spec, metas[:gradients])
+    return call, _validate.check_qk_rope_arrays(metas, spec)
 
 
 def qk_rope_call(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox):
     """``arrays``: the ten of QkRopeArrays, as a plain tuple; (q_out, k_out)."""
-    _refuse_qk_rope_trace()
+    if _compiling is not None and _compiling():
+        return _torch_qk_rope(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox)
+    if _compiling is None and sys.modules.get("torch") is not None:
+        _refuse_unregistered_trace()
     rope = (rotary_dim, is_neox)
     signature = _interop.qk_rope_signature("qk_norm_rope", arrays, eps, weight_offset, casting_mode, rope)
     launch = _cache.lookup(signature)
@@ -473,8 +466,11 @@ def qk_rope_call(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox):
     for name in ("q", "k"):
         if getattr(arrays, name) is None:
             raise TypeError(f"{name} must be an array of shape (..., heads, head_dim), got None")
-    call, scalars, spec = _checked_qk_rope(arrays, QK_ROPE_NAMES, eps, weight_offset, casting_mode, rotary_dim,
-                                           is_neox, QK_ROPE_OUTPUTS)
+    scalars, spec, kind, arrays, cacheable = _qk_rope_kind(arrays, QK_ROPE_NAMES, eps, weight_offset, casting_mode,
+                                                           rotary_dim, is_neox)
+    if kind is TorchKind and _interop.autograd_records(arrays):   # the registered op runs this path
+        return _torch_qk_rope(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, differentiable=True)
+    call, spec = _prepared_qk_rope(kind, arrays, QK_ROPE_NAMES, cacheable, spec, QK_ROPE_OUTPUTS)
     arrays, layout = qk_rope_layout(call.kind, call.resolved, call.metas, spec, call.copied)
     if call.kind is NumpyKind:
         q_out, k_out = qk_norm_rope_reference(arrays.q, arrays.k, arrays.q_weight, arrays.k_weight, scalars.eps,
@@ -489,8 +485,12 @@ def qk_rope_call(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox):
 
 
 def qk_rope_backward_call(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, weight_grad=True):
-    """``arrays``: a QkRopeBackwardArrays; (dq, dk, dq_weight, dk_weight)."""
-    _refuse_qk_rope_trace()
+    """``arrays``: a QkRopeBackwardArrays; (dq, dk, dq_weight, dk_weight). Not differentiable
+    itself: torch tensors that require grad run the direct path, as the other backward calls."""
+    if _compiling is not None and _compiling():
+        return _torch_qk_rope_backward(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, weight_grad)
+    if _compiling is None and sys.modules.get("torch") is not None:
+        _refuse_unregistered_trace()
     rope = (rotary_dim, is_neox)
     signature = _interop.qk_rope_signature("qk_norm_rope_backward", arrays, eps, weight_offset, casting_mode, rope)
     launch = _cache.lookup(signature)
@@ -499,8 +499,9 @@ def qk_rope_backward_call(arrays, eps, weight_offset, casting_mode, rotary_dim, 
     for name in ("dq_out", "dk_out", "q", "k"):
         if getattr(arrays, name) is None:
             raise TypeError(f"{name} must be an array of shape (..., heads, head_dim), got None")
-    call, scalars, spec = _checked_qk_rope(arrays, QK_ROPE_BACKWARD_NAMES, eps, weight_offset, casting_mode,
-                                           rotary_dim, is_neox, gradients=2)
+    scalars, spec, kind, kinds_arrays, cacheable = _qk_rope_kind(arrays, QK_ROPE_BACKWARD_NAMES, eps, weight_offset,
+                                                                 casting_mode, rotary_dim, is_neox, gradients=2)
+    call, spec = _prepared_qk_rope(kind, kinds_arrays, QK_ROPE_BACKWARD_NAMES, cacheable, spec, gradients=2)
     arrays, layout = qk_rope_layout(call.kind, call.resolved, call.metas, spec, call.copied)
     if call.kind is NumpyKind:
         dq, dk, dq_weight, dk_weight = qk_norm_rope_backward_reference(

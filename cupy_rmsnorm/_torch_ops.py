@@ -24,10 +24,22 @@ autograd through them.
         (q, [residual_out,] scales; residual becomes residual_out in the in-place form; with a
         static scale, scales is an empty float32 tensor and the public functions return the
         scale itself; forward-only: FP8 outputs have no gradient)
+    cupy_rmsnorm::rms_norm_gated(...), rms_norm_gated_backward(...)
+    cupy_rmsnorm::qk_norm_rope(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor? cos,
+                               Tensor? sin, Tensor? positions, Tensor? cos_sin_cache, float eps,
+                               float weight_offset, str casting_mode, SymInt? rotary_dim, bool is_neox)
+                               -> (Tensor, Tensor)
+    cupy_rmsnorm::qk_norm_rope_inplace(Tensor(a0!) q, Tensor(a1!) k, ...the same...) -> ()
+        (vLLM's call, out_q=q and out_k=k; forward-only)
+    cupy_rmsnorm::qk_norm_rope_backward(Tensor dq_out, Tensor dk_out, Tensor q, Tensor k, ...the same...,
+                                        bool weight_grad) -> (Tensor, Tensor, Tensor, Tensor)
+        (dq, dk, dq_weight, dk_weight; the weights' gradients empty tensors of q's dtype without
+        weights or with weight_grad False)
 
 Autograd (``torch.library.register_autograd``): rms_norm and fused_add_rms_norm save their
-input x (the fused op: its output residual_out) and the weight, and their backward is the
-backward op, one node in a compiled backward graph. The in-place fused op stays
+input x (the fused op: its output residual_out) and the weight, rms_norm_gated also the gate,
+qk_norm_rope q, k, both weights and the angles (which get no gradient), and their backward is
+the backward op, one node in a compiled backward graph. The in-place ops stay
 forward-only: a call of the in-place form that autograd would have to record is a
 RuntimeError. In eager mode a public call with a tensor that requires grad while grad mode
 is on goes through an autograd.Function with the same setup and gradients around the
@@ -50,9 +62,9 @@ from typing import Optional
 import torch
 
 from . import _call, _interop
-from ._layout import Arrays, BackwardArrays, GatedBackwardArrays, new_scales
+from ._layout import Arrays, BackwardArrays, GatedBackwardArrays, QkRopeArrays, QkRopeBackwardArrays, new_scales
 from ._validate import (check_arrays, check_backward_arrays, check_gated, check_gated_arrays, check_gated_backward_arrays,
-                        check_quant, check_quant_arrays, check_scalars, dtype_name)
+                        check_qk_rope, check_qk_rope_arrays, check_quant, check_quant_arrays, check_scalars, dtype_name)
 
 Tensor = torch.Tensor
 
@@ -452,6 +464,175 @@ def call_gated(arrays, eps, weight_offset, casting_mode, group_size, norm_before
     return y if out is None else out.copy_(y)
 
 
+# -- QK norm + RoPE ----------------------------------------------------------------------------------
+# The arrays in QkRopeArrays order (q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache),
+# then eps, weight_offset, casting_mode, rotary_dim, is_neox.
+_ANGLES = ("cos", "sin", "positions", "cos_sin_cache")
+
+
+@torch.library.custom_op("cupy_rmsnorm::qk_norm_rope", mutates_args=())
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], cos: Optional[Tensor],
+                 sin: Optional[Tensor], positions: Optional[Tensor], cos_sin_cache: Optional[Tensor], eps: float,
+                 weight_offset: float, casting_mode: str, rotary_dim: Optional[int],
+                 is_neox: bool) -> tuple[Tensor, Tensor]:
+    return _call.qk_rope_call((q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, None, None), eps,
+                              weight_offset, casting_mode, rotary_dim, is_neox)
+
+
+@torch.library.custom_op("cupy_rmsnorm::qk_norm_rope_inplace", mutates_args=("q", "k"))
+def qk_norm_rope_inplace(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+                         cos: Optional[Tensor], sin: Optional[Tensor], positions: Optional[Tensor],
+                         cos_sin_cache: Optional[Tensor], eps: float, weight_offset: float, casting_mode: str,
+                         rotary_dim: Optional[int], is_neox: bool) -> None:
+    _call.qk_rope_call((q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, q, k), eps, weight_offset,
+                       casting_mode, rotary_dim, is_neox)
+
+
+@torch.library.custom_op("cupy_rmsnorm::qk_norm_rope_backward", mutates_args=())
+def qk_norm_rope_backward(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Optional[Tensor],
+                          k_weight: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
+                          positions: Optional[Tensor], cos_sin_cache: Optional[Tensor], eps: float,
+                          weight_offset: float, casting_mode: str, rotary_dim: Optional[int], is_neox: bool,
+                          weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dq_weight, dk_weight = _eager_qk_rope_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin,
+                                                           positions, cos_sin_cache, eps, weight_offset,
+                                                           casting_mode, rotary_dim, is_neox, weight_grad)
+    return (dq, dk, _no_weight_grad(q) if dq_weight is None else dq_weight,
+            _no_weight_grad(q) if dk_weight is None else dk_weight)
+
+
+def _check_fake_qk_rope(arrays, rotary_dim, is_neox, gradients=None):
+    """The real path's argument, shape and dtype checks on fake tensors (``arrays``: the eight
+    inputs in QkRopeArrays order; ``gradients``: the backward's dq_out and dk_out)."""
+    metas = QkRopeArrays(*(_fake_meta(t) for t in arrays))
+    spec = check_qk_rope(metas, rotary_dim, is_neox)
+    check_qk_rope_arrays(metas, spec, None if gradients is None else tuple(_fake_meta(t) for t in gradients))
+
+
+@qk_norm_rope.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, eps, weight_offset, casting_mode, rotary_dim,
+      is_neox):
+    _check_fake_qk_rope((q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache), rotary_dim, is_neox)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+@qk_norm_rope_inplace.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, eps, weight_offset, casting_mode, rotary_dim,
+      is_neox):
+    _check_fake_qk_rope((q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache), rotary_dim, is_neox)
+
+
+@qk_norm_rope_backward.register_fake
+def _(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, eps, weight_offset, casting_mode,
+      rotary_dim, is_neox, weight_grad):
+    _check_fake_qk_rope((q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache), rotary_dim, is_neox,
+                        (dq_out, dk_out))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if q_weight is None or not weight_grad:
+        return dq, dk, _no_weight_grad(q), _no_weight_grad(q)
+    return (dq, dk, torch.empty_like(q_weight, memory_format=torch.contiguous_format),
+            torch.empty_like(k_weight, memory_format=torch.contiguous_format))
+
+
+def _eager_qk_rope_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, eps,
+                            weight_offset, casting_mode, rotary_dim, is_neox, weight_grad):
+    return _call.qk_rope_backward_call(QkRopeBackwardArrays(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin,
+                                                            positions, cos_sin_cache), eps, weight_offset,
+                                       casting_mode, rotary_dim, is_neox, weight_grad)
+
+
+def _setup_qk_rope(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8])      # q, k, the weights and the angles: the norm is recomputed
+    ctx.scalars = inputs[8:13]              # eps, weight_offset, casting_mode, rotary_dim, is_neox
+
+
+def _qk_rope_grad(ctx, dq_out, dk_out, backward=qk_norm_rope_backward):
+    q, k, q_weight, k_weight, *angles = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if dq_out is None:                      # one of the two outputs was not used
+        dq_out = torch.zeros_like(q)
+    if dk_out is None:
+        dk_out = torch.zeros_like(k)
+    weight_grad = q_weight is not None and (need[2] or need[3])
+    dq, dk, dq_weight, dk_weight = backward(dq_out, dk_out, q, k, q_weight, k_weight, *angles, *ctx.scalars,
+                                            weight_grad)
+    return ((dq if need[0] else None), (dk if need[1] else None), (dq_weight if weight_grad and need[2] else None),
+            (dk_weight if weight_grad and need[3] else None)) + (None,) * 9
+
+
+torch.library.register_autograd("cupy_rmsnorm::qk_norm_rope", _qk_rope_grad, setup_context=_setup_qk_rope)
+
+
+class _EagerQkRope(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, eps, weight_offset, casting_mode,
+                rotary_dim, is_neox):
+        return _call.qk_rope_call((q, k, q_weight, k_weight, cos, sin, positions, cos_sin_cache, None, None), eps,
+                                  weight_offset, casting_mode, rotary_dim, is_neox)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_qk_rope(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        return _qk_rope_grad(ctx, dq_out, dk_out, _eager_qk_rope_backward)
+
+
+def _qk_rope_args(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, weights):
+    """The ops' arguments after q and k, checked as the real path checks them first."""
+    scalars = check_scalars(eps, weight_offset, casting_mode, weights)
+    spec = check_qk_rope(arrays, rotary_dim, is_neox)
+    return (arrays.q_weight, arrays.k_weight, arrays.cos, arrays.sin, arrays.positions, arrays.cos_sin_cache,
+            scalars.eps, scalars.weight_offset, scalars.casting_mode, spec.rotary_dim, spec.is_neox)
+
+
+def call_qk_rope(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, differentiable=False):
+    """A public QK norm + RoPE call through the registered ops (while torch.compile traces, and in
+    eager mode when autograd must record it), given outputs filled by a copy (``out_q=q,
+    out_k=k`` is the in-place op, forward-only)."""
+    arrays = QkRopeArrays._make(arrays)
+    q, k = arrays.q, arrays.k
+    for name in ("q", "k"):
+        if getattr(arrays, name) is None:
+            raise TypeError(f"{name} must be an array of shape (..., heads, head_dim), got None")
+    args = _qk_rope_args(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, arrays.q_weight is not None)
+    records = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arrays[:8])
+    if records:
+        for name in _ANGLES:
+            t = getattr(arrays, name)
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name} requires grad, and qk_norm_rope has no gradient for the angles: "
+                                 f"pass {name}.detach()")
+    if arrays.out_q is q and arrays.out_k is k:
+        if records:
+            raise RuntimeError("qk_norm_rope in place (out_q=q, out_k=k) is forward-only, and a tensor of this "
+                               "call requires grad: call it without out_q= / out_k= to train, or under "
+                               "torch.no_grad()")
+        qk_norm_rope_inplace(q, k, *args)
+        return q, k
+    eager = differentiable and q.is_cuda and not _is_compiling()
+    q_out, k_out = _EagerQkRope.apply(q, k, *args) if eager else qk_norm_rope(q, k, *args)
+    out_q, out_k = arrays.out_q, arrays.out_k
+    return (q_out if out_q is None else out_q.copy_(q_out)), (k_out if out_k is None else out_k.copy_(k_out))
+
+
+def call_qk_rope_backward(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, weight_grad=True):
+    """A public QK norm + RoPE backward call through the registered op (while torch.compile
+    traces): (dq, dk, dq_weight, dk_weight), the weights' gradients None without weights."""
+    arrays = QkRopeBackwardArrays._make(arrays)
+    for name in ("dq_out", "dk_out", "q", "k"):
+        if getattr(arrays, name) is None:
+            raise TypeError(f"{name} must be an array of shape (..., heads, head_dim), got None")
+    args = _qk_rope_args(arrays, eps, weight_offset, casting_mode, rotary_dim, is_neox, arrays.q_weight is not None)
+    dq, dk, dq_weight, dk_weight = qk_norm_rope_backward(arrays.dq_out, arrays.dk_out, arrays.q, arrays.k, *args,
+                                                         bool(weight_grad))
+    if arrays.q_weight is None or not weight_grad:
+        return dq, dk, None, None
+    return dq, dk, dq_weight, dk_weight
+
+
 # is_dynamo_compiling: a plain `return False` in eager (cheaper than is_compiling)
 _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
-_call.install_torch(_is_compiling, call, call_quant, call_gated)
+_call.install_torch(_is_compiling, call, call_quant, call_gated, call_qk_rope, call_qk_rope_backward)

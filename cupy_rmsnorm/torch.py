@@ -5,6 +5,7 @@
     with torch.inference_mode():
         y = norm(x)
     n = rnt.patch_hf_rmsnorm(model)        # swap a transformers model's RMSNorm modules
+    # patch_hf_rmsnorm(model, fuse_qk_rope=True): Qwen3's q_norm, k_norm and RoPE as one op too
 
 Importing this submodule imports torch (and registers the library's torch ops);
 ``import cupy_rmsnorm`` alone never does.
@@ -16,18 +17,20 @@ on and a tensor that requires grad (the weight Parameter does), a call goes thro
 registered op, whose backward is the library's backward kernels (gradients of x, the
 residual and the weight; deterministic). Calls under ``torch.no_grad()`` /
 ``torch.inference_mode()`` (which ``model.generate`` uses) keep the thin direct path. The
-in-place form ``FusedAddRMSNorm(...)(x, residual, out=x, residual_out=residual)`` is
-forward-only (a RuntimeError where autograd would have to record it).
+in-place forms ``FusedAddRMSNorm(...)(x, residual, out=x, residual_out=residual)`` and
+``qk_norm_rope(q, k, ..., out_q=q, out_k=k)`` are forward-only (a RuntimeError where autograd
+would have to record them).
 """
 
 import inspect
+import sys
 import warnings
 
 import torch
 from torch import nn
 
 from . import _torch_ops  # noqa: F401 - registers the torch ops
-from ._api import fused_add_rms_norm, rms_norm, rms_norm_gated
+from ._api import fused_add_rms_norm, qk_norm_rope, rms_norm, rms_norm_gated
 from ._validate import check_gated, check_scalars
 
 __all__ = ["RMSNorm", "FusedAddRMSNorm", "RMSNormGated", "patch_hf_rmsnorm"]
@@ -336,7 +339,143 @@ def _fuse_residuals(model):
     return count
 
 
-def patch_hf_rmsnorm(model, fuse_residual=False):
+# -- q_norm, k_norm and the rotation inside an attention module ------------------------------------
+
+# The attention modules fuse_qk_rope rewrites: Qwen3's and Qwen3-MoE's in transformers, and any of
+# the same structure. Its forward must contain these statements (compared without whitespace):
+# the rewrite replaces the first four by one qk_norm_rope and keeps the rest as transformers
+# writes it, so a forward written otherwise is not ours to rewrite.
+_ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+_ATTENTION_ARGUMENTS = {"self", "hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values",
+                        "kwargs"}
+_ATTENTION_STATEMENTS = (
+    "hidden_shape=(*input_shape,-1,self.head_dim)",
+    "query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)",
+    "key_states=self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1,2)",
+    "cos,sin=position_embeddings",
+    "query_states,key_states=apply_rotary_pos_emb(query_states,key_states,cos,sin)",
+    "value_states=self.v_proj(hidden_states).view(hidden_shape).transpose(1,2)",
+    "key_states,value_states=cache.update(key_states,value_states,self.layer_idx,kwargs=kwargs)",
+    "attention_interface:Callable=ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,"
+    "eager_attention_forward)",
+    "attn_output=attn_output.reshape(*input_shape,-1).contiguous()",
+    "attn_output=self.o_proj(attn_output)",
+)
+# transformers' rotate_half: the NeoX halves, which qk_norm_rope turns with is_neox=True
+_ROTATE_HALF = "returntorch.cat((-x2,x1),dim=-1)"
+
+
+def _squeezed_source(obj):
+    """The source of ``obj`` without whitespace and comments, or None where it cannot be read."""
+    try:
+        lines = inspect.getsource(obj).splitlines()
+    except (OSError, TypeError):
+        return None
+    return "".join("".join(line.split("#", 1)[0].split()) for line in lines)
+
+
+def _looks_like_qk_norm_attention(module):
+    names = {name for name, _ in module.named_children()}
+    return {"q_norm", "k_norm", "q_proj", "k_proj"} <= names
+
+
+def _qk_rope_rewrite(module):
+    """What the rewritten forward of ``module`` needs, (ALL_ATTENTION_FUNCTIONS,
+    eager_attention_forward, whether sliding_window is passed), when it is an attention module
+    of Qwen3's structure with both norms replaced by matching RMSNorm modules; else the reason
+    it is not (a string)."""
+    if not _ATTENTION_CHILDREN <= {name for name, _ in module.named_children()}:
+        return f"it lacks some of {', '.join(sorted(_ATTENTION_CHILDREN))}"
+    q_norm, k_norm = module.q_norm, module.k_norm
+    if type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm:
+        return "its q_norm and k_norm are not both cupy_rmsnorm RMSNorm modules (replaced by patch_hf_rmsnorm)"
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int) or q_norm.hidden_size != head_dim or k_norm.hidden_size != head_dim:
+        return "its q_norm and k_norm do not normalize head_dim channels"
+    if ((q_norm.eps, q_norm.weight_offset, q_norm.casting_mode, q_norm.weight.dtype)
+            != (k_norm.eps, k_norm.weight_offset, k_norm.casting_mode, k_norm.weight.dtype)):
+        return "its q_norm and k_norm differ in eps, weight offset, casting mode or weight dtype"
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if (list(params)[:3] != ["self", "hidden_states", "position_embeddings"]
+            or not set(params) <= _ATTENTION_ARGUMENTS):
+        return f"its forward takes ({', '.join(params)}), not Qwen3's arguments"
+    source = _squeezed_source(type(module).forward)
+    if source is None:
+        return "its forward's source cannot be read"
+    missing = [s for s in _ATTENTION_STATEMENTS if s not in source]
+    if missing:
+        return f"its forward is not written as Qwen3's (no {missing[0]!r})"
+    defining = sys.modules.get(type(module).__module__)
+    interfaces = getattr(defining, "ALL_ATTENTION_FUNCTIONS", None)
+    eager = getattr(defining, "eager_attention_forward", None)
+    rotate = _squeezed_source(getattr(defining, "rotate_half", None))
+    if interfaces is None or eager is None or rotate is None or _ROTATE_HALF not in rotate:
+        return (f"its module {type(module).__module__} lacks ALL_ATTENTION_FUNCTIONS, eager_attention_forward or "
+                f"a rotate_half of NeoX halves")
+    return interfaces, eager, "sliding_window=self.sliding_window" in source
+
+
+def _fused_qk_rope_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    """transformers' Qwen3 attention forward with q_norm, k_norm and the rotation of q and k as one
+    ``qk_norm_rope`` (one rounding, after the rotation), the rest as transformers writes it."""
+    if cache is None:     # the name transformers' own forward still accepts
+        cache = kwargs.pop("past_key_values", None)
+    interfaces, eager_attention, sliding = self._cupy_rmsnorm_qk_rope
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    cos, sin = position_embeddings
+    q_norm, k_norm = self.q_norm, self.k_norm
+    query_states, key_states = qk_norm_rope(
+        self.q_proj(hidden_states).view(hidden_shape), self.k_proj(hidden_states).view(hidden_shape), q_norm.weight,
+        k_norm.weight, q_norm.eps, cos=cos, sin=sin, weight_offset=q_norm.weight_offset,
+        casting_mode=q_norm.casting_mode)
+    query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+    attention_interface = interfaces.get_interface(self.config._attn_implementation, eager_attention)
+    if sliding:
+        kwargs["sliding_window"] = self.sliding_window
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+def _fuse_qk_rope(model):
+    """Rewrite the forward of every attention module of Qwen3's structure (an instance attribute,
+    so the class and other models are untouched); one that has q_norm and k_norm but another
+    structure is left as it is, with a warning. Returns how many modules were rewritten."""
+    count = 0
+    for name, module in model.named_modules():
+        if getattr(module, "_cupy_rmsnorm_qk_rope", None) is not None or not _looks_like_qk_norm_attention(module):
+            continue
+        rewrite = _qk_rope_rewrite(module)
+        if isinstance(rewrite, str):
+            warnings.warn(f"patch_hf_rmsnorm: left {name} ({type(module).__name__}) as it is: fuse_qk_rope "
+                          f"rewrites attention modules of Qwen3's structure, and {rewrite}", stacklevel=3)
+            continue
+        module._cupy_rmsnorm_qk_rope = rewrite
+        module.forward = _fused_qk_rope_forward.__get__(module)
+        count += 1
+    return count
+
+
+def patch_hf_rmsnorm(model, fuse_residual=False, fuse_qk_rope=False):
     """Swap the RMSNorm modules of a transformers model for this library's ``RMSNorm``, and its
     gated RMSNorm modules for ``RMSNormGated``.
 
@@ -375,10 +514,29 @@ def patch_hf_rmsnorm(model, fuse_residual=False):
         training, a layer keeps its MLP add, which the recomputation needs). Results are the
         same bits (the fused op rounds the sum to the dtype before normalizing, as the pair
         does). Other layer types are left as they are.
+    fuse_qk_rope: also rewrite each attention module of Qwen3's structure (transformers'
+        Qwen3Attention, Qwen3MoeAttention, and any module with ``q_proj``, ``k_proj``,
+        ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``, an int ``head_dim`` and a forward
+        written as theirs: ``position_embeddings=(cos, sin)``, ``apply_rotary_pos_emb(q, k,
+        cos, sin)`` with transformers' NeoX ``rotate_half``) so that q_norm, k_norm and the
+        rotation of q and k run as one ``qk_norm_rope`` kernel, as vLLM's Qwen3 does. The
+        forward is an instance attribute (the class and other models are untouched) and keeps
+        the rest as transformers writes it: the cache update with its keyword arguments, the
+        attention interface of ``config._attn_implementation``, eager, torch.compile
+        (``fullgraph=True``) and the static cache alike; it trains (dq_weight and dk_weight
+        through the op's backward). Both norms must have been replaced (same eps, casting
+        mode, weight offset and weight dtype). Another module with ``q_norm`` and ``k_norm``
+        is left as it is, with a warning. Numerics: HF rounds the norm's output to the dtype
+        (llama mode: the normalized value, then its product with the weight), and each
+        product and sum of the rotation; the fused op rounds once, after the rotation, so in
+        bfloat16 about a quarter of q's and k's elements differ from HF's by a few units
+        (the logits stay within bfloat16's own distance from float32; see
+        docs/numerics.md).
 
     Returns:
         The number of modules replaced (0 when the model is already patched); decoder
-        layers rewritten by ``fuse_residual`` are not counted.
+        layers rewritten by ``fuse_residual`` and attention modules rewritten by
+        ``fuse_qk_rope`` are not counted.
     """
     found = _candidates(model)
     _require_cuda(found)
@@ -404,4 +562,6 @@ def patch_hf_rmsnorm(model, fuse_residual=False):
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     if fuse_residual:
         _fuse_residuals(model)
+    if fuse_qk_rope:
+        _fuse_qk_rope(model)
     return len(replacements)

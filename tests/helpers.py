@@ -144,6 +144,30 @@ def tiny_llama(layers, hidden, vocab=1000, heads=4, kv_heads=2, device="cuda", d
     return model
 
 
+def tiny_qwen3(layers=2, hidden=128, vocab=1000, heads=4, kv_heads=2, head_dim=64, moe=False, device="cuda",
+               dtype="bfloat16"):
+    """A small randomly initialized transformers Qwen3ForCausalLM (``moe``: Qwen3MoeForCausalLM,
+    four experts) in eval mode, seeded, nothing downloaded; every RMSNorm weight (q_norm and
+    k_norm included) drawn around one, where "llama" and "fp32" rounding differ."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=256, rms_norm_eps=EPS, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=hidden, decoder_sparse_step=1))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.copy_(1.0 + 0.3 * torch.randn(m.weight.shape[0]))
+    return model
+
+
 # -- tracing the registered torch ops (CPU; needs torch, imported here only when called) ----
 def trace_graphs(fn, *args):
     """Compile ``fn`` with fullgraph=True (a graph break fails) and a backend that records

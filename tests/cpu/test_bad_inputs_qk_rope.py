@@ -154,11 +154,15 @@ def test_backward_errors_name_the_argument(make, error, match):
         make()
 
 
-def test_torch_tensors_on_the_cpu_and_autograd_are_refused():
+def test_torch_tensors_on_the_cpu_are_refused_with_and_without_autograd():
+    """A call that autograd records goes through the registered op, whose implementation is the
+    same direct path: the same ValueError."""
     torch = pytest.importorskip("torch")
     q, k = torch.zeros(T, HQ, D), torch.zeros(T, HK, D)
     cache, pos = torch.ones(16, D), torch.arange(T)
     with pytest.raises(ValueError, match=r"^q is a torch tensor on cpu"):
         rn.qk_norm_rope(q, k, None, None, positions=pos, cos_sin_cache=cache)
-    with pytest.raises(RuntimeError, match=r"^qk_norm_rope does not record autograd yet"):
+    with pytest.raises(ValueError, match=r"^q is a torch tensor on cpu"):
         rn.qk_norm_rope(q.requires_grad_(), k, None, None, positions=pos, cos_sin_cache=cache)
+    with pytest.raises(ValueError, match=r"^cos_sin_cache requires grad, and qk_norm_rope has no gradient"):
+        rn.qk_norm_rope(q, k, None, None, positions=pos, cos_sin_cache=cache.requires_grad_())
