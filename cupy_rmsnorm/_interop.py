@@ -391,7 +391,10 @@ def qk_rope_signature(tag, arrays, eps, weight_offset, casting_mode, rope):
     if sig is None:
         return None
     try:
-        return sig, rope, tuple(_extra_key(a) for a in arrays[5:])
+        # the five's key holds whether autograd records them; the angles' tensors (sin,
+        # positions, the cache) must not slip past the check that they need no gradient
+        records = sig[0] is TorchKind and autograd_records(arrays[5:])
+        return sig, rope, records, tuple(_extra_key(a) for a in arrays[5:])
     except (AttributeError, TypeError, RuntimeError):
         return None
 
