@@ -428,13 +428,11 @@ def csv_table(payload):
         return list(CSV_FIELDS), [[row[k] for k in CSV_FIELDS] for row in out]
     # a run with the serving measures: their rows first, each table's columns empty in the other's rows
     fields = list(SERVING_CSV_FIELDS) + [k for k in CSV_FIELDS if k not in SERVING_CSV_FIELDS]
-    for r in steps:
-        out.insert(steps.index(r), {"measure": r["measure"], "batch": r["batch"], "mode": r["mode"],
-                                    "variant": r["variant"], "us": r["us"]["median"], "us_min": r["us"]["min"],
-                                    "us_max": r["us"]["max"], "rounds": r["us"]["n"], "vs_hf": r["vs_hf"],
-                                    "vs_hf_compiled": r["vs_hf_compiled"]})
-    for row in out[len(steps):]:
+    for row in out:
         row["measure"] = "generate"
+    out = [{"measure": r["measure"], "batch": r["batch"], "mode": r["mode"], "variant": r["variant"],
+            "us": r["us"]["median"], "us_min": r["us"]["min"], "us_max": r["us"]["max"], "rounds": r["us"]["n"],
+            "vs_hf": r["vs_hf"], "vs_hf_compiled": r["vs_hf_compiled"]} for r in steps] + out
     return fields, [[row.get(k) for k in fields] for row in out]
 
 
