@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -304,6 +305,18 @@ def fmt_us(v):
 
 def fmt_num(v, digits=2):
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def spread(values):
+    """Median, min, max and quartiles (inclusive method) of a list, or None when empty."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    q1 = q3 = values[0]
+    if len(values) > 1:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1],
+            "q1": q1, "q3": q3, "n": len(values)}
 
 
 def geomean(values):

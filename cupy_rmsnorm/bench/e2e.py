@@ -39,7 +39,6 @@ import argparse
 import copy
 import functools
 import itertools
-import statistics
 import sys
 import time
 
@@ -168,18 +167,6 @@ def decode_ms_per_token(one_s, many_s, new_tokens):
     return (many_s - one_s) * 1e3 / (new_tokens - 1)
 
 
-def spread(values):
-    """Median, min, max and quartiles (inclusive method) of a list, or None when empty."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    q1 = q3 = values[0]
-    if len(values) > 1:
-        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return {"median": statistics.median(values), "min": values[0], "max": values[-1],
-            "q1": q1, "q3": q3, "n": len(values)}
-
-
 def summarize(timings, new_tokens, batch):
     """One row per (mode, variant) with a measurement: prefill and decode spreads, and
     the decode and prefill medians relative to the baseline of the same mode."""
@@ -191,8 +178,8 @@ def summarize(timings, new_tokens, batch):
         prefill = [r[1] * 1e3 for r in rounds.values() if 1 in r]
         decode = [decode_ms_per_token(r[1], r[new_tokens], new_tokens) for r in rounds.values()
                   if 1 in r and new_tokens in r]
-        d = spread(decode)
-        rows.append({"mode": mode, "variant": variant, "prefill_ms": spread(prefill), "decode_ms": d,
+        d = common.spread(decode)
+        rows.append({"mode": mode, "variant": variant, "prefill_ms": common.spread(prefill), "decode_ms": d,
                      "tokens_per_s": batch * 1e3 / d["median"] if d and d["median"] > 0 else None})
     for row in rows:
         base = next((b for b in rows if b["mode"] == row["mode"] and b["variant"] == BASELINE), {})
@@ -428,13 +415,11 @@ def csv_table(payload):
         return list(CSV_FIELDS), [[row[k] for k in CSV_FIELDS] for row in out]
     # a run with the serving measures: their rows first, each table's columns empty in the other's rows
     fields = list(SERVING_CSV_FIELDS) + [k for k in CSV_FIELDS if k not in SERVING_CSV_FIELDS]
-    for r in steps:
-        out.insert(steps.index(r), {"measure": r["measure"], "batch": r["batch"], "mode": r["mode"],
-                                    "variant": r["variant"], "us": r["us"]["median"], "us_min": r["us"]["min"],
-                                    "us_max": r["us"]["max"], "rounds": r["us"]["n"], "vs_hf": r["vs_hf"],
-                                    "vs_hf_compiled": r["vs_hf_compiled"]})
-    for row in out[len(steps):]:
+    for row in out:
         row["measure"] = "generate"
+    out = [{"measure": r["measure"], "batch": r["batch"], "mode": r["mode"], "variant": r["variant"],
+            "us": r["us"]["median"], "us_min": r["us"]["min"], "us_max": r["us"]["max"], "rounds": r["us"]["n"],
+            "vs_hf": r["vs_hf"], "vs_hf_compiled": r["vs_hf_compiled"]} for r in steps] + out
     return fields, [[row.get(k) for k in fields] for row in out]
 
 

@@ -22,7 +22,8 @@ signatures, so one code path serves the transformers versions in use.
 """
 
 import inspect
-import statistics
+
+from . import common
 
 STEP_MODES = ("eager", "compiled")
 WARMUP = 3                 # calls before capture: compiles, cuBLAS workspaces, lazy cache allocation
@@ -196,12 +197,8 @@ def summarize(samples, baselines=("hf",)):
     by_key = {}
     for s in samples:
         by_key.setdefault(tuple(s["key"]), []).append(s["us"])
-    rows = []
-    for (measure, mode, batch, variant), values in by_key.items():
-        values = sorted(values)
-        rows.append({"measure": measure, "mode": mode, "batch": batch, "variant": variant,
-                     "us": {"median": statistics.median(values), "min": values[0], "max": values[-1],
-                            "n": len(values)}})
+    rows = [{"measure": measure, "mode": mode, "batch": batch, "variant": variant, "us": common.spread(values)}
+            for (measure, mode, batch, variant), values in by_key.items()]
     for row in rows:
         def median_of(mode, variant):
             return next((r["us"]["median"] for r in rows if (r["measure"], r["mode"], r["batch"], r["variant"])

@@ -94,11 +94,11 @@ def test_decode_time_is_the_difference_over_the_extra_tokens():
 
 
 def test_spread():
-    s = e2e.spread([5.0, 1.0, 3.0, 2.0, 4.0])
+    s = common.spread([5.0, 1.0, 3.0, 2.0, 4.0])
     assert s == {"median": 3.0, "min": 1.0, "max": 5.0, "q1": 2.0, "q3": 4.0, "n": 5}
-    assert e2e.spread([2.5]) == {"median": 2.5, "min": 2.5, "max": 2.5, "q1": 2.5, "q3": 2.5, "n": 1}
-    assert e2e.spread([1.0, None, 3.0])["median"] == 2.0
-    assert e2e.spread([]) is None
+    assert common.spread([2.5]) == {"median": 2.5, "min": 2.5, "max": 2.5, "q1": 2.5, "q3": 2.5, "n": 1}
+    assert common.spread([1.0, None, 3.0])["median"] == 2.0
+    assert common.spread([]) is None
 
 
 def _timings(mode, variant, pairs):
