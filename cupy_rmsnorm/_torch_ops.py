@@ -497,8 +497,10 @@ def qk_norm_rope_backward(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, 
     dq, dk, dq_weight, dk_weight = _eager_qk_rope_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin,
                                                            positions, cos_sin_cache, eps, weight_offset,
                                                            casting_mode, rotary_dim, is_neox, weight_grad)
-    return (dq, dk, _no_weight_grad(q) if dq_weight is None else dq_weight,
-            _no_weight_grad(q) if dk_weight is None else dk_weight)
+    if dq_weight is None:
+        return dq, dk, _no_weight_grad(q), _no_weight_grad(q)
+    # the kernel writes both weights' gradients into one buffer; an op's outputs must not alias
+    return dq, dk, dq_weight, dk_weight.clone()
 
 
 def _check_fake_qk_rope(arrays, rotary_dim, is_neox, gradients=None):

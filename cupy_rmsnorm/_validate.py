@@ -354,7 +354,8 @@ def check_qk_rope(arrays, rotary_dim, is_neox):
                          "cos_sin_cache (vLLM's and FlashInfer's)")
     if set(given) & set(table) and set(given) & set(cache):
         raise ValueError(f"pass cos and sin, or positions and cos_sin_cache, not both (got {', '.join(given)})")
-    pair = table if set(given) & set(table) else cache
+    uses_cache = not set(given) & set(table)
+    pair = cache if uses_cache else table
     missing = [name for name, a in pair.items() if a is None]
     if missing:
         raise ValueError(f"{' and '.join(pair)} go together: {missing[0]} is None")
@@ -368,7 +369,7 @@ def check_qk_rope(arrays, rotary_dim, is_neox):
         rotary_dim = int(rotary_dim)
         if rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and >= 2 (channels turn in pairs), got {rotary_dim}")
-    return QkRopeSpec(rotary_dim, bool(is_neox), pair is cache)
+    return QkRopeSpec(rotary_dim, bool(is_neox), uses_cache)
 
 
 def _broadcasts_to(shape, target):

@@ -355,12 +355,17 @@ _ATTENTION_STATEMENTS = (
     "cos,sin=position_embeddings",
     "query_states,key_states=apply_rotary_pos_emb(query_states,key_states,cos,sin)",
     "value_states=self.v_proj(hidden_states).view(hidden_shape).transpose(1,2)",
-    "key_states,value_states=cache.update(key_states,value_states,self.layer_idx,kwargs=kwargs)",
     "attention_interface:Callable=ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,"
     "eager_attention_forward)",
     "attn_output=attn_output.reshape(*input_shape,-1).contiguous()",
     "attn_output=self.o_proj(attn_output)",
 )
+# The cache update, one of transformers' two forms (5.24 on: the cache takes the call's keyword
+# arguments; before: the cache alone), and whether the form passes the keyword arguments
+_CACHE_UPDATES = {
+    "key_states,value_states=cache.update(key_states,value_states,self.layer_idx,kwargs=kwargs)": True,
+    "key_states,value_states=past_key_values.update(key_states,value_states,self.layer_idx)": False,
+}
 # transformers' rotate_half: the NeoX halves, which qk_norm_rope turns with is_neox=True
 _ROTATE_HALF = "returntorch.cat((-x2,x1),dim=-1)"
 
@@ -381,7 +386,8 @@ def _looks_like_qk_norm_attention(module):
 
 def _qk_rope_rewrite(module):
     """What the rewritten forward of ``module`` needs, (ALL_ATTENTION_FUNCTIONS,
-    eager_attention_forward, whether sliding_window is passed), when it is an attention module
+    eager_attention_forward, whether sliding_window is passed, whether the cache update takes the
+    keyword arguments), when it is an attention module
     of Qwen3's structure with both norms replaced by matching RMSNorm modules; else the reason
     it is not (a string)."""
     if not _ATTENTION_CHILDREN <= {name for name, _ in module.named_children()}:
@@ -408,6 +414,9 @@ def _qk_rope_rewrite(module):
     missing = [s for s in _ATTENTION_STATEMENTS if s not in source]
     if missing:
         return f"its forward is not written as Qwen3's (no {missing[0]!r})"
+    updates = [passes for update, passes in _CACHE_UPDATES.items() if update in source]
+    if not updates:
+        return f"its forward is not written as Qwen3's (no {next(iter(_CACHE_UPDATES))!r})"
     defining = sys.modules.get(type(module).__module__)
     interfaces = getattr(defining, "ALL_ATTENTION_FUNCTIONS", None)
     eager = getattr(defining, "eager_attention_forward", None)
@@ -415,7 +424,7 @@ def _qk_rope_rewrite(module):
     if interfaces is None or eager is None or rotate is None or _ROTATE_HALF not in rotate:
         return (f"its module {type(module).__module__} lacks ALL_ATTENTION_FUNCTIONS, eager_attention_forward or "
                 f"a rotate_half of NeoX halves")
-    return interfaces, eager, "sliding_window=self.sliding_window" in source
+    return interfaces, eager, "sliding_window=self.sliding_window" in source, updates[0]
 
 
 def _fused_qk_rope_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
@@ -423,7 +432,7 @@ def _fused_qk_rope_forward(self, hidden_states, position_embeddings, attention_m
     ``qk_norm_rope`` (one rounding, after the rotation), the rest as transformers writes it."""
     if cache is None:     # the name transformers' own forward still accepts
         cache = kwargs.pop("past_key_values", None)
-    interfaces, eager_attention, sliding = self._cupy_rmsnorm_qk_rope
+    interfaces, eager_attention, sliding, update_takes_kwargs = self._cupy_rmsnorm_qk_rope
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
@@ -435,8 +444,10 @@ def _fused_qk_rope_forward(self, hidden_states, position_embeddings, attention_m
     query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-    if cache is not None:
+    if cache is not None and update_takes_kwargs:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+    elif cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
     attention_interface = interfaces.get_interface(self.config._attn_implementation, eager_attention)
     if sliding:

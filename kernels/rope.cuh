@@ -107,7 +107,7 @@ struct TokenAngles {
             } else {
                 load_floats<C, VEC>(sin_row + (j0 ^ PAIRS), s);
             }
-        } else if (PAIRS >= VEC) {               // NeoX halves: the vector's angles side by side
+        } else if (PAIRS > 1 && PAIRS >= VEC) {  // NeoX halves: the vector's angles side by side
             load_floats<C, VEC>(cos_row + (j0 & (PAIRS - 1)), c);
             load_floats<C, VEC>(sin_row + (j0 & (PAIRS - 1)), s);
         } else if (PAIRS == 1 && VEC >= 2) {      // interleaved: an angle for each pair

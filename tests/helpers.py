@@ -1,6 +1,7 @@
 """Shared test helpers: dtypes, ops, seeds, tolerances, and GPU / torch availability (with
 the reason shown on skip). Needs neither CuPy nor a GPU to import."""
 
+import contextlib
 import functools
 import os
 import re
@@ -166,6 +167,25 @@ def tiny_qwen3(layers=2, hidden=128, vocab=1000, heads=4, kv_heads=2, head_dim=6
             if type(m).__name__.endswith("RMSNorm"):
                 m.weight.copy_(1.0 + 0.3 * torch.randn(m.weight.shape[0]))
     return model
+
+
+@contextlib.contextmanager
+def cpu_kernels_of_the_ops(kernels):
+    """``kernels`` ({registered op's name: function}) run as the CPU implementations of the
+    library's torch ops inside the block; after it, each op's own implementation runs on the CPU
+    again (a kernel registered for a custom op stays registered: the op's default is put back
+    in its place, so tests that expect the real path's refusal of CPU tensors still see it)."""
+    import torch
+
+    from cupy_rmsnorm import _torch_ops
+    for name, fn in kernels.items():
+        torch.library.register_kernel(f"cupy_rmsnorm::{name}", "cpu", fn)
+    try:
+        yield
+    finally:
+        for name in kernels:
+            op = getattr(_torch_ops, name)
+            op._backend_fns["cpu"] = op._backend_fns[None]
 
 
 # -- tracing the registered torch ops (CPU; needs torch, imported here only when called) ----

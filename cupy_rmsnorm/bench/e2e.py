@@ -1,7 +1,8 @@
-"""``e2e``: a whole Llama-shaped model, HF's norms against ours and Liger's.
+"""``e2e``: a whole model, HF's norms against ours and Liger's.
 
-A randomly initialized transformers ``LlamaForCausalLM`` (nothing downloaded) generates
-greedily, in two modes:
+A randomly initialized transformers ``LlamaForCausalLM`` (``--model qwen3``:
+``Qwen3ForCausalLM``, whose attention normalizes each query and key head; nothing
+downloaded) generates greedily, in two modes:
 
 - ``eager``: ``generate`` with the default dynamic cache, under ``torch.inference_mode()``;
 - ``compiled``: ``generate(cache_implementation="static")``, for which transformers
@@ -9,11 +10,12 @@ greedily, in two modes:
   ``fullgraph=True`` unless ``--no-fullgraph``; a variant that breaks the graph is
   compiled again with breaks allowed, and its row marked). The prefill stays eager there.
 
-The variants are the same weights with other RMSNorm modules: ``hf`` (LlamaRMSNorm as
-built), ``ours`` (``patch_hf_rmsnorm``), ``ours_fused`` (``patch_hf_rmsnorm(model,
-fuse_residual=True)``: each residual add inside the norm that follows it) and ``liger``
-(Liger-Kernel's RMSNorm only). Each is a copy of the module tree that shares every
-weight, so four variants cost one model's memory.
+The variants are the same weights with other RMSNorm modules: ``hf`` (the model's RMSNorm
+as built), ``ours`` (``patch_hf_rmsnorm``), ``ours_fused`` (``patch_hf_rmsnorm(model,
+fuse_residual=True)``: each residual add inside the norm that follows it), ``ours_qk``
+(Qwen3 only: ``patch_hf_rmsnorm(model, fuse_qk_rope=True)``, q_norm, k_norm and the
+rotation as one op) and ``liger`` (Liger-Kernel's RMSNorm only). Each is a copy of the
+module tree that shares every weight, so the variants cost one model's memory.
 
 Measured per (mode, variant), the variants interleaved (A B C D A B C D ...) against
 machine drift: prefill = ``generate(max_new_tokens=1)``; decode per token =
@@ -38,22 +40,48 @@ smoke the harness.
 import argparse
 import copy
 import functools
+import importlib
 import itertools
 import sys
 import time
+from typing import NamedTuple
 
 from . import common, serving
 
-SUMMARY = "a whole Llama-shaped model generating, with HF's, our and Liger's norms"
+SUMMARY = "a whole Llama- or Qwen3-shaped model generating, with HF's, our and Liger's norms"
 
-VARIANTS = ("hf", "ours", "ours_fused", "liger")
+
+class Family(NamedTuple):
+    """A transformers model family the benchmark builds: where its classes live, its RMSNorm
+    class, Liger's patch for it, and its MLP size (the real model's at 4096 wide)."""
+    title: str
+    modeling: str
+    config: str
+    model: str
+    norm: str
+    liger_patch: str
+    intermediate: int
+    qk_norms: bool           # per-head q_norm and k_norm in its attention (fuse_qk_rope applies)
+
+
+FAMILIES = {
+    "llama": Family("Llama", "transformers.models.llama.modeling_llama", "LlamaConfig", "LlamaForCausalLM",
+                    "LlamaRMSNorm", "apply_liger_kernel_to_llama", 14336, False),
+    "qwen3": Family("Qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3Config", "Qwen3ForCausalLM",
+                    "Qwen3RMSNorm", "apply_liger_kernel_to_qwen3", 12288, True),
+}
+HF_NORMS = {f.norm for f in FAMILIES.values()}
+
+VARIANTS = ("hf", "ours", "ours_fused", "ours_qk", "liger")
 VARIANT_TITLES = {
-    "hf": "transformers' LlamaRMSNorm, as built",
+    "hf": "transformers' RMSNorm of the model (LlamaRMSNorm, Qwen3RMSNorm), as built",
     "ours": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model)",
     "ours_fused": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model, fuse_residual=True): each residual add "
                   "inside the norm that follows it, as one fused op (the MLP add with the next layer's "
                   "input norm, or the final norm)",
-    "liger": "Liger-Kernel's RMSNorm only: apply_liger_kernel_to_llama(rms_norm=True, model=model), "
+    "ours_qk": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model, fuse_qk_rope=True) (Qwen3): the norms patched, "
+               "and each attention's q_norm, k_norm and rotation as one qk_norm_rope",
+    "liger": "Liger-Kernel's RMSNorm only: apply_liger_kernel_to_llama / _qwen3(rms_norm=True, model=model), "
              "no rope / swiglu / cross-entropy patches",
 }
 MODES = ("eager", "compiled")
@@ -67,7 +95,7 @@ PREFILL_REPLAYS = 3          # a 2048-token forward runs for milliseconds: a few
 EXPLAIN_TOKENS = 16          # the graph-break count needs a forward, not a long one
 COMPILE_ESTIMATE_S = 75.0    # one variant's compile, for the time budget (8-layer Llama on an H200)
 RECOMPILE_LIMIT = 64         # variants share code objects: one Dynamo cache entry each
-DEFAULTS = {"layers": 8, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "vocab": 32000,
+DEFAULTS = {"layers": 8, "hidden": 4096, "heads": 32, "kv_heads": 8, "vocab": 32000,
             "new_tokens": 64, "repeats": 5, "modes": ["eager"], "agree_tokens": 1024,
             "step_modes": list(serving.STEP_MODES), "step_batches": [1, 64], "prefill": 2048, "replays": 50}
 QUICK = {"layers": 2, "new_tokens": 16, "repeats": 2, "modes": ["eager"], "agree_tokens": 256,
@@ -90,9 +118,13 @@ def add_arguments(p):
                               repeats="interleaved rounds over the variants, per mode (default: 5; --quick: 2)",
                               charts=False)
     positive = common.positive_int
+    p.add_argument("--model", choices=tuple(FAMILIES), default="llama",
+                   help="the model's family: llama, or qwen3 (per-head q/k norms; the ours_qk variant) "
+                        "(default: llama)")
     p.add_argument("--layers", type=positive, help="decoder layers (default: 8; --quick: 2)")
     p.add_argument("--hidden", type=positive, help="hidden size (default: 4096)")
-    p.add_argument("--intermediate", type=positive, help="MLP intermediate size (default: 14336)")
+    p.add_argument("--intermediate", type=positive,
+                   help="MLP intermediate size (default: Llama 14336, Qwen3 12288)")
     p.add_argument("--heads", type=positive, help="attention heads (default: 32)")
     p.add_argument("--kv-heads", type=positive, help="key/value heads (default: 8)")
     p.add_argument("--vocab", type=positive, help="vocabulary size (default: 32000)")
@@ -102,8 +134,9 @@ def add_arguments(p):
     p.add_argument("--prompt", type=positive, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--new-tokens", type=positive,
                    help="tokens generated per timed call, at least 2 (default: 64; --quick: 16)")
-    p.add_argument("--variants", type=common.comma_list(str.lower, VARIANTS, "variant"), default=list(VARIANTS),
-                   help=f"a list of {', '.join(VARIANTS)} (default: all; hf always runs, as the reference)")
+    p.add_argument("--variants", type=common.comma_list(str.lower, VARIANTS, "variant"),
+                   help=f"a list of {', '.join(VARIANTS)} (default: all the model has: ours_qk needs "
+                        f"--model qwen3; hf always runs, as the reference)")
     p.add_argument("--agree-tokens", type=positive,
                    help="tokens of the teacher-forced forward that checks the logits (default: 1024; --quick: 256)")
     p.add_argument("--agree-batch", type=positive, default=4,
@@ -129,6 +162,11 @@ def add_arguments(p):
 
 def finish_args(args, p):
     common.resolve_defaults(args, DEFAULTS, QUICK)
+    family = FAMILIES[args.model]
+    if args.intermediate is None:
+        args.intermediate = family.intermediate
+    if args.variants is None:
+        args.variants = [v for v in VARIANTS if v != "ours_qk" or family.qk_norms]
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (decode time is T(N) - T(1) over N - 1 tokens)")
     if args.hidden % args.heads:
@@ -145,9 +183,9 @@ def requirements_missing(args):
 
 
 def model_config(args):
-    """The LlamaConfig keywords of this run."""
+    """The config keywords (LlamaConfig's, Qwen3Config's) of this run."""
     return {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-            "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+            "head_dim": args.hidden // args.heads, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
             "num_key_value_heads": args.kv_heads, "rms_norm_eps": EPS,
             "max_position_embeddings": max(2048, args.prompt + args.new_tokens, args.agree_tokens,
                                            args.context + 1, args.prefill),
@@ -283,7 +321,8 @@ def table_rows(payload):
 
 def describe(meta):
     c = meta["config"]
-    return (f"Llama {c['num_hidden_layers']} layers x {c['hidden_size']} (intermediate {c['intermediate_size']}, "
+    family = FAMILIES[meta.get("model", "llama")].title
+    return (f"{family} {c['num_hidden_layers']} layers x {c['hidden_size']} (intermediate {c['intermediate_size']}, "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocab {c['vocab_size']}), "
             f"{meta['dtype']}, batch {meta['batch']}, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, "
             f"{meta['repeats']} interleaved rounds, on {(meta.get('device') or {}).get('gpu', '?')}")
@@ -462,23 +501,25 @@ def _err_text(e):
 
 # -- the model and its variants (torch from here on) ------------------------------------------------------
 def build_model(args):
-    """The random Llama on the device, in the run's dtype (built under it as default
-    dtype, as from_pretrained does: the rotary inv_freq stays float32), norm weights
-    randomized (see NORM_WEIGHT_STD)."""
+    """The random model of the run's family on the device, in the run's dtype (built under it
+    as default dtype, as from_pretrained does: the rotary inv_freq stays float32), norm
+    weights randomized (see NORM_WEIGHT_STD)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    family = FAMILIES[args.model]
+    modeling = importlib.import_module(family.modeling)
     torch.manual_seed(args.seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, args.dtype))
     try:
         with torch.device(args.device):
-            model = LlamaForCausalLM(LlamaConfig(**model_config(args))).eval()
+            config = getattr(modeling, family.config)(**model_config(args))
+            model = getattr(modeling, family.model)(config).eval()
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
         gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
         for m in model.modules():
-            if type(m).__name__ == "LlamaRMSNorm":
+            if is_hf_norm(m):
                 m.weight.copy_(1.0 + NORM_WEIGHT_STD * torch.randn(m.weight.shape, generator=gen,
                                                                    device=args.device))
     return model
@@ -491,54 +532,61 @@ def shared_weight_copy(model):
     return copy.deepcopy(model, memo)
 
 
-def apply_liger_rms_norm(model):
+def apply_liger_rms_norm(model, family):
     """Liger's RMSNorm on ``model``'s norm modules, nothing else; returns how many."""
     try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers as liger
+        patch = getattr(liger, family.liger_patch)
     except Exception as e:  # noqa: BLE001 - not installed, or Triton missing
         raise Skipped(f"liger_kernel is not importable ({_err_text(e)})") from None
-    from transformers.models.llama import modeling_llama
-    saved = modeling_llama.LlamaRMSNorm
+    modeling = importlib.import_module(family.modeling)
+    saved = getattr(modeling, family.norm)
     try:
-        apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
-                                    rms_norm=True, swiglu=False, model=model)
+        patch(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=False,
+              model=model)
     finally:
-        modeling_llama.LlamaRMSNorm = saved   # its class-level swap would reach models built later
+        setattr(modeling, family.norm, saved)   # its class-level swap would reach models built later
     return sum(m._get_name() == "LigerRMSNorm" for m in model.modules())
 
 
-def make_variant(name, base, device):
+# the keywords of patch_hf_rmsnorm each of our variants passes
+PATCH_KEYWORDS = {"ours": {}, "ours_fused": {"fuse_residual": True}, "ours_qk": {"fuse_qk_rope": True}}
+
+
+def make_variant(name, base, device, family):
     """(model, number of norm modules replaced) of one variant."""
     if name == BASELINE:
         return base, 0
+    if name == "ours_qk" and not family.qk_norms:
+        raise Skipped(f"{family.title} has no per-head q_norm / k_norm to fuse with the rotation (--model qwen3)")
     if device != "cuda":
         raise Skipped(f"needs CUDA (--device {device})")
     model = shared_weight_copy(base)
     if name == "liger":
-        replaced = apply_liger_rms_norm(model)
+        replaced = apply_liger_rms_norm(model, family)
     else:
         from cupy_rmsnorm.torch import patch_hf_rmsnorm
-        if name == "ours":
-            replaced = patch_hf_rmsnorm(model)
-        else:
-            try:
-                replaced = patch_hf_rmsnorm(model, fuse_residual=True)
-            except TypeError as e:
-                if "fuse_residual" not in str(e):
-                    raise
-                raise Skipped(f"this cupy_rmsnorm's patch_hf_rmsnorm has no fuse_residual keyword "
-                              f"({_err_text(e)})") from None
+        keywords = PATCH_KEYWORDS[name]
+        try:
+            replaced = patch_hf_rmsnorm(model, **keywords)
+        except TypeError as e:
+            if not any(k in str(e) for k in keywords):
+                raise
+            raise Skipped(f"this cupy_rmsnorm's patch_hf_rmsnorm has no {', '.join(keywords)} keyword "
+                          f"({_err_text(e)})") from None
+        if name == "ours_qk" and not any(getattr(m, "_cupy_rmsnorm_qk_rope", None) for m in model.modules()):
+            raise RuntimeError("fuse_qk_rope rewrote no attention module")
     if not replaced:
         raise RuntimeError("no norm module was replaced")
     return model, replaced
 
 
-def modeling_fingerprint():
-    """{name: identity} of transformers' Llama classes, their forwards and functions: a
+def modeling_fingerprint(family):
+    """{name: identity} of the family's transformers classes, their forwards and functions: a
     variant's patch must change instances only, or hf would run the patch too."""
-    from transformers.models.llama import modeling_llama
+    modeling = importlib.import_module(family.modeling)
     out = {}
-    for name, obj in vars(modeling_llama).items():
+    for name, obj in vars(modeling).items():
         if isinstance(obj, type) or callable(obj):
             out[name] = (id(obj), id(vars(obj).get("forward")) if isinstance(obj, type) else None)
     return out
@@ -584,11 +632,11 @@ def agreement(logits, reference):
 
 
 def is_hf_norm(module):
-    return type(module).__name__ == "LlamaRMSNorm"
+    return type(module).__name__ in HF_NORMS
 
 
 def norm_calls(model, ids):
-    """[(module path, input, output)] of every LlamaRMSNorm call in one teacher-forced forward
+    """[(module path, input, output)] of every HF RMSNorm call in one teacher-forced forward
     of ``model`` (hf)."""
     calls = []
 
@@ -633,8 +681,8 @@ def norm_agreement(model, calls):
     return {"norm_outputs_differing": differing / total if total else 0.0, "norm_max_ulps": worst}
 
 
-def _llama_norm_with_mean_in(mean_dtype, module, hidden_states):
-    """LlamaRMSNorm's forward, op for op, with the mean of squares taken in ``mean_dtype``
+def _hf_norm_with_mean_in(mean_dtype, module, hidden_states):
+    """LlamaRMSNorm's (and Qwen3RMSNorm's) forward, op for op, with the mean of squares taken in ``mean_dtype``
     (then float32): float32 reproduces HF's own bits, float64 rounds the variance once."""
     import torch
     input_dtype = hidden_states.dtype
@@ -645,15 +693,15 @@ def _llama_norm_with_mean_in(mean_dtype, module, hidden_states):
 
 
 def with_norm_mean_in(base, mean_dtype):
-    """A weight-sharing copy of ``base`` whose LlamaRMSNorm modules take their mean in ``mean_dtype``."""
+    """A weight-sharing copy of ``base`` whose HF RMSNorm modules take their mean in ``mean_dtype``."""
     model = shared_weight_copy(base)
     replaced = 0
     for m in model.modules():
-        if type(m).__name__ == "LlamaRMSNorm":
-            m.forward = functools.partial(_llama_norm_with_mean_in, mean_dtype, m)
+        if is_hf_norm(m):
+            m.forward = functools.partial(_hf_norm_with_mean_in, mean_dtype, m)
             replaced += 1
     if not replaced:
-        raise RuntimeError("no LlamaRMSNorm module found")
+        raise RuntimeError("no HF RMSNorm module found")
     return model
 
 
@@ -768,7 +816,7 @@ def run(args):
 
     device = common.gpu_device() if args.device == "cuda" else {"gpu": "cpu"}
     meta = common.run_metadata(
-        "e2e", device, torch_device=args.device, config=model_config(args), dtype=args.dtype, batch=args.batch,
+        "e2e", device, torch_device=args.device, model=args.model, config=model_config(args), dtype=args.dtype, batch=args.batch,
         prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats, agree_tokens=args.agree_tokens,
         agree_batch=args.agree_batch, modes=args.modes, variants={v: VARIANT_TITLES[v] for v in args.variants},
         step_modes=args.step_modes, step_batches=args.step_batches, context=args.context, prefill=args.prefill,
@@ -796,23 +844,25 @@ def measure_all(args, payload, elapsed, deadline):
     meta["parameters"] = sum(p.numel() for p in base.parameters())
     meta["build_s"] = elapsed()
 
+    family = FAMILIES[args.model]
     models, replaced = {}, {}
     for name in args.variants:
-        before = modeling_fingerprint()
+        before = modeling_fingerprint(family)
         try:
-            models[name], replaced[name] = make_variant(name, base, args.device)
+            models[name], replaced[name] = make_variant(name, base, args.device, family)
         except Skipped as e:
             payload["skipped"][name] = str(e)
             log(f"skipped: {name}: {e}")
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
             payload["errors"].append({"where": f"patch {name}", "error": _err_text(e)})
             log(f"error: patch {name}: {_err_text(e)}")
-        after = modeling_fingerprint()
+        after = modeling_fingerprint(family)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         if changed:
-            payload["errors"].append({"where": f"patch {name}", "error": f"changed transformers' modeling_llama "
+            where = family.modeling.rsplit(".", 1)[-1]
+            payload["errors"].append({"where": f"patch {name}", "error": f"changed transformers' {where} "
                                       f"({', '.join(changed)}): hf and every variant run that change too"})
-            log(f"error: patch {name} changed transformers' modeling_llama: {', '.join(changed)}")
+            log(f"error: patch {name} changed transformers' {where}: {', '.join(changed)}")
     meta["replaced_norms"] = replaced
 
     # Agreement: one teacher-forced forward per variant against hf's logits.

@@ -290,6 +290,9 @@ def test_nothing_measured_writes_no_markdown(tmp_path):
 
 
 # -- variants ------------------------------------------------------------------------------------------------
+LLAMA = e2e.FAMILIES["llama"]
+
+
 class Tree:
     """Stands in for a model: parameters and buffers, and children to patch."""
 
@@ -303,6 +306,9 @@ class Tree:
     def buffers(self):
         return []
 
+    def modules(self):
+        return [self.child]
+
 
 def test_ours_fused_without_the_keyword_is_skipped(monkeypatch):
     def old_patch(model):     # an older patch_hf_rmsnorm: no fuse_residual
@@ -310,13 +316,13 @@ def test_ours_fused_without_the_keyword_is_skipped(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy_rmsnorm.torch", types.SimpleNamespace(patch_hf_rmsnorm=old_patch))
     base = Tree()
     with pytest.raises(e2e.Skipped, match="no fuse_residual keyword"):
-        e2e.make_variant("ours_fused", base, "cuda")
-    model, replaced = e2e.make_variant("ours", base, "cuda")
+        e2e.make_variant("ours_fused", base, "cuda", LLAMA)
+    model, replaced = e2e.make_variant("ours", base, "cuda", LLAMA)
     assert replaced == 3 and model is not base and model.weight is base.weight   # weights shared, tree copied
     assert model.child is not base.child
-    assert e2e.make_variant("hf", base, "cuda") == (base, 0)
+    assert e2e.make_variant("hf", base, "cuda", LLAMA) == (base, 0)
     with pytest.raises(e2e.Skipped, match="needs CUDA"):
-        e2e.make_variant("ours", base, "cpu")
+        e2e.make_variant("ours", base, "cpu", LLAMA)
 
 
 def test_another_type_error_of_the_fused_patch_is_an_error(monkeypatch):
@@ -324,7 +330,28 @@ def test_another_type_error_of_the_fused_patch_is_an_error(monkeypatch):
         raise TypeError("unsupported operand")
     monkeypatch.setitem(sys.modules, "cupy_rmsnorm.torch", types.SimpleNamespace(patch_hf_rmsnorm=broken))
     with pytest.raises(TypeError, match="unsupported operand"):
-        e2e.make_variant("ours_fused", Tree(), "cuda")
+        e2e.make_variant("ours_fused", Tree(), "cuda", LLAMA)
+
+
+def test_ours_qk_passes_fuse_qk_rope_and_needs_qwen3(monkeypatch):
+    seen = []
+
+    def patch(model, **keywords):
+        seen.append(keywords)
+        model.child._cupy_rmsnorm_qk_rope = ("rewritten",)
+        return 5
+    monkeypatch.setitem(sys.modules, "cupy_rmsnorm.torch", types.SimpleNamespace(patch_hf_rmsnorm=patch))
+    with pytest.raises(e2e.Skipped, match="no per-head q_norm"):
+        e2e.make_variant("ours_qk", Tree(), "cuda", LLAMA)
+    model, replaced = e2e.make_variant("ours_qk", Tree(), "cuda", e2e.FAMILIES["qwen3"])
+    assert replaced == 5 and seen == [{"fuse_qk_rope": True}]
+
+
+def test_qwen3_defaults():
+    args = parse_args(["--model", "qwen3"])
+    assert args.variants == ["hf", "ours", "ours_fused", "ours_qk", "liger"] and args.intermediate == 12288
+    assert parse_args([]).intermediate == 14336
+    assert parse_args(["--model", "qwen3", "--intermediate", "64"]).intermediate == 64
 
 
 def _tiny_model():
@@ -341,6 +368,16 @@ def test_built_model_has_random_norm_weights_and_a_float32_rope():
 
 
 @requires_transformers
+def test_built_qwen3_has_per_head_norms_with_random_weights():
+    model = e2e.build_model(parse_args(TINY + ["--device", "cpu", "--model", "qwen3"]))
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert sum(e2e.is_hf_norm(m) for m in model.modules()) == 2 * 4 + 1     # q_norm and k_norm in each layer
+    attn = model.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape[0] == attn.head_dim == 64 // 4
+    assert float(attn.k_norm.weight.detach().float().std()) > 0.05
+
+
+@requires_transformers
 def test_shared_weight_copy_shares_weights_not_modules():
     model = _tiny_model()
     twin = e2e.shared_weight_copy(model)
@@ -353,10 +390,10 @@ def test_shared_weight_copy_shares_weights_not_modules():
 @requires_transformers
 def test_a_class_level_patch_shows_in_the_fingerprint(monkeypatch):
     from transformers.models.llama import modeling_llama
-    before = e2e.modeling_fingerprint()
-    assert e2e.modeling_fingerprint() == before and "LlamaDecoderLayer" in before
+    before = e2e.modeling_fingerprint(LLAMA)
+    assert e2e.modeling_fingerprint(LLAMA) == before and "LlamaDecoderLayer" in before
     monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", lambda self, *args, **kwargs: None)
-    after = e2e.modeling_fingerprint()
+    after = e2e.modeling_fingerprint(LLAMA)
     assert [k for k in before if before[k] != after[k]] == ["LlamaDecoderLayer"]
 
 
@@ -371,10 +408,10 @@ def test_liger_patches_the_copy_only():
     from transformers.models.llama import modeling_llama
     model = _tiny_model()
     twin = e2e.shared_weight_copy(model)
-    before, fingerprint = modeling_llama.LlamaRMSNorm, e2e.modeling_fingerprint()
-    assert e2e.apply_liger_rms_norm(twin) == 2 * 2 + 1
+    before, fingerprint = modeling_llama.LlamaRMSNorm, e2e.modeling_fingerprint(LLAMA)
+    assert e2e.apply_liger_rms_norm(twin, LLAMA) == 2 * 2 + 1
     assert modeling_llama.LlamaRMSNorm is before                    # the class-level swap undone
-    assert e2e.modeling_fingerprint() == fingerprint
+    assert e2e.modeling_fingerprint(LLAMA) == fingerprint
     assert not any(m._get_name() == "LigerRMSNorm" for m in model.modules())
     assert twin.model.norm.weight is model.model.norm.weight
 
@@ -473,10 +510,10 @@ def test_a_norm_with_the_mean_in_float64_differs_from_float32_in_the_variance_on
                                    variance_epsilon=1e-6)
     h = torch.tensor([[3.0, -1.0, 0.25]], dtype=torch.bfloat16)
     want = module.weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
-    assert torch.equal(e2e._llama_norm_with_mean_in(torch.float32, module, h), want)
+    assert torch.equal(e2e._hf_norm_with_mean_in(torch.float32, module, h), want)
     var64 = h.double().pow(2).mean(-1, keepdim=True).float()
     want64 = module.weight * (h.float() * torch.rsqrt(var64 + 1e-6)).to(h.dtype)
-    assert torch.equal(e2e._llama_norm_with_mean_in(torch.float64, module, h), want64)
+    assert torch.equal(e2e._hf_norm_with_mean_in(torch.float64, module, h), want64)
 
 
 class Unsupported(Exception):

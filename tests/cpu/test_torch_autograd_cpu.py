@@ -7,6 +7,7 @@ backward graph), and torch.library.opcheck. Skips where torch is missing."""
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import cpu_kernels_of_the_ops
 
 torch = pytest.importorskip("torch", reason="torch autograd tests: torch is not installed")
 
@@ -48,7 +49,6 @@ CALLS = []      # which CPU kernels ran
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels():
     """CPU kernels of the four ops that run the library's NumPy path."""
-    lib = torch.library.Library("cupy_rmsnorm", "FRAGMENT")
 
     def rms(x, w, eps, off, mode):
         CALLS.append("rms_norm")
@@ -72,11 +72,9 @@ def cpu_kernels():
                                                 weight_offset=off, casting_mode=mode)
         return to_torch(dx), (to_torch(dw) if w is not None and weight_grad else s.new_empty(0))
 
-    for name, fn in (("rms_norm", rms), ("fused_add_rms_norm", fused), ("rms_norm_backward", rms_bwd),
-                     ("fused_add_rms_norm_backward", fused_bwd)):
-        torch.library.register_kernel(f"cupy_rmsnorm::{name}", "cpu", fn, lib=lib)
-    yield
-    lib._destroy()
+    with cpu_kernels_of_the_ops({"rms_norm": rms, "fused_add_rms_norm": fused, "rms_norm_backward": rms_bwd,
+                                 "fused_add_rms_norm_backward": fused_bwd}):
+        yield
 
 
 def f64_rms_norm(x, w, eps, off):

@@ -12,7 +12,7 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import op_calls, tiny_qwen3, trace_graphs
+from helpers import cpu_kernels_of_the_ops, op_calls, tiny_qwen3, trace_graphs
 
 torch = pytest.importorskip("torch", reason="torch op tests: torch is not installed")
 
@@ -32,6 +32,49 @@ SCHEMAS = {
 }
 requires_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                            reason="Qwen3 patch check: transformers is not installed")
+if importlib.util.find_spec("transformers") is not None:
+    from typing import Callable
+    # what the module defining an attention class of the older form holds (fuse_qk_rope reads them there)
+    from transformers.models.qwen3.modeling_qwen3 import (  # noqa: F401, E402
+        ALL_ATTENTION_FUNCTIONS, Qwen3Attention, apply_rotary_pos_emb, eager_attention_forward, rotate_half)
+
+    class OlderQwen3Attention(Qwen3Attention):
+        """Qwen3's attention as transformers wrote it before 5.24: the cache is passed as
+        past_key_values and updated without the call's keyword arguments."""
+
+        def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, self.head_dim)
+
+            query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+            key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+            value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+            if past_key_values is not None:
+                key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                **kwargs,
+            )
+
+            attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+            attn_output = self.o_proj(attn_output)
+            return attn_output, attn_weights
 T, HQ, HK, D = 5, 4, 2, 32
 
 
@@ -59,8 +102,6 @@ CALLS = []      # which CPU kernels ran
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels():
     """CPU kernels of the three ops that run the library's NumPy path (the reference)."""
-    lib = torch.library.Library("cupy_rmsnorm", "FRAGMENT")
-
     def angles(cos, sin, positions, cache):
         return dict(cos=to_numpy(cos), sin=to_numpy(sin), positions=to_numpy(positions),
                     cos_sin_cache=to_numpy(cache))
@@ -90,11 +131,9 @@ def cpu_kernels():
             return to_torch(dq), to_torch(dk), q.new_empty(0), q.new_empty(0)
         return to_torch(dq), to_torch(dk), to_torch(dqw), to_torch(dkw)
 
-    for name, fn in (("qk_norm_rope", forward), ("qk_norm_rope_inplace", in_place),
-                     ("qk_norm_rope_backward", backward)):
-        torch.library.register_kernel(f"cupy_rmsnorm::{name}", "cpu", fn, lib=lib)
-    yield
-    lib._destroy()
+    with cpu_kernels_of_the_ops({"qk_norm_rope": forward, "qk_norm_rope_inplace": in_place,
+                                 "qk_norm_rope_backward": backward}):
+        yield
 
 
 def hf_angles(tokens, rotary_dim, base=10000.0, dtype=torch.float32):
@@ -341,8 +380,8 @@ def test_fuse_qk_rope_rewrites_each_attention_module(moe):
     attn = model.model.layers[0].self_attn
     assert type(attn).__name__ == ("Qwen3MoeAttention" if moe else "Qwen3Attention")
     assert "forward" in vars(attn) and type(attn).forward is not attn.forward.__func__
-    interfaces, eager, sliding = attn._cupy_rmsnorm_qk_rope
-    assert callable(eager) and hasattr(interfaces, "get_interface") and sliding
+    interfaces, eager, sliding, update_takes_kwargs = attn._cupy_rmsnorm_qk_rope
+    assert callable(eager) and hasattr(interfaces, "get_interface") and sliding and update_takes_kwargs
     with torch.no_grad():
         calls = op_calls(trace_graphs(lambda ids: model(input_ids=ids, use_cache=False).logits,
                                       torch.randint(3, 100, (2, 8))))
@@ -398,6 +437,34 @@ def test_rewritten_model_matches_hugging_face(moe):
             want = hf(input_ids=step, cache=hf_cache, use_cache=True).logits
         got = ours(input_ids=step, cache=our_cache, use_cache=True).logits
         torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-4)
+
+
+@requires_transformers
+def test_the_older_form_of_the_attention_is_rewritten_too():
+    """transformers before 5.24 (the cache as past_key_values, updated without the keyword
+    arguments): rewritten, and a prefill then two decode steps through the cache give the
+    outputs of the module's own forward."""
+    from transformers import DynamicCache
+    hf = tiny_qwen3(1, hidden=64, vocab=100, head_dim=D, device="cpu", dtype="float32")
+    ours = swap_norms(tiny_qwen3(1, hidden=64, vocab=100, head_dim=D, device="cpu", dtype="float32"),
+                      ("q_norm", "k_norm"))
+    for model in (hf, ours):
+        model.model.layers[0].self_attn.__class__ = OlderQwen3Attention
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _fuse_qk_rope(ours) == 1
+    assert ours.model.layers[0].self_attn._cupy_rmsnorm_qk_rope[3] is False
+    hidden = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(6))
+    angles = hf.model.rotary_emb(hidden, torch.arange(7)[None].expand(2, 7))
+    hf_cache, our_cache = DynamicCache(config=hf.config), DynamicCache(config=ours.config)
+    CALLS.clear()
+    for span in (slice(0, 5), slice(5, 6), slice(6, 7)):        # prefill, then two decode steps
+        step = (hidden[:, span], tuple(a[:, span] for a in angles), None)
+        with torch.no_grad():
+            want = hf.model.layers[0].self_attn(*step, past_key_values=hf_cache)[0]
+        got = ours.model.layers[0].self_attn(*step, past_key_values=our_cache)[0]   # recorded: the op runs
+        torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-4)
+    assert our_cache.get_seq_length() == 7 and CALLS == ["qk_norm_rope"] * 3
 
 
 @requires_transformers

@@ -6,6 +6,7 @@ models), and a few AdamW steps give the same loss curve. ``pytest -rP`` prints t
 
 import copy
 import importlib.util
+import traceback
 
 import pytest
 from helpers import torch_cuda_missing
@@ -86,7 +87,12 @@ def test_training_steps_give_the_same_loss_curve(record_property):
         losses = []
         for tokens in batches:
             loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as e:      # transformers runs flash-linear-attention's kernels when installed
+                if "/fla/" not in traceback.extract_tb(e.__traceback__)[-1].filename:
+                    raise
+                pytest.skip(f"flash-linear-attention's backward refuses this machine: {e}")
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
