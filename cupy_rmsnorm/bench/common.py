@@ -47,9 +47,9 @@ INSTALL_HINTS = {
 PEERS_HELP = ("peers: each is used where it is installed, the rest are left out with a note. On top of a\n"
               "CUDA build of torch, `pip install liger-kernel` adds Liger-Kernel (torch.compile needs the\n"
               "Triton that Linux torch wheels bring); the e2e and train sub-commands need `pip install\n"
-              "transformers`; the quant sub-command's FlashInfer peer needs `pip install flashinfer-python`\n"
-              "(only its headers are used) and nvcc on PATH; the gated sub-command's FLA peers need\n"
-              "`pip install fla-core`.")
+              "transformers`; the quant and qk_rope sub-commands' FlashInfer peer needs\n"
+              "`pip install flashinfer-python` (only its headers are used) and nvcc on PATH; the gated\n"
+              "sub-command's FLA peers need `pip install fla-core`.")
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -184,21 +184,27 @@ def resolve_defaults(args, defaults, quick=None):
 
 
 def committed_report(command):
-    """The committed report of ``command``: its path from here where this checkout has it, else
-    its place in the repository."""
-    path = os.path.join(library_root(), COMMITTED_RESULTS, f"{command}.json")
+    """The committed report of ``command``: its path from here where this checkout has it, its
+    place in the repository where the library is not a checkout (an installed package), None
+    where this checkout's results have no report of it."""
+    results = os.path.join(library_root(), COMMITTED_RESULTS)
+    path = os.path.join(results, f"{command}.json")
     if not os.path.isfile(path):
-        return f"{COMMITTED_RESULTS}/{command}.json"
+        return None if os.path.isdir(results) else f"{COMMITTED_RESULTS}/{command}.json"
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
 
 
 def no_gpu_message(command, reason):
     """The one line every sub-command prints without a GPU: what is missing, and how to see
-    the committed report instead."""
+    the committed report instead (or that none is committed yet)."""
     reason = " ".join(str(reason).split())    # one line, whatever the driver said
+    report = committed_report(command)
+    if report is None:
+        return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). No report of {command} "
+                f"is committed yet (it would be {COMMITTED_RESULTS}/{command}.json)")
     return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). The committed report: "
-            f"python -m cupy_rmsnorm.bench {command} --replot {committed_report(command)}")
+            f"python -m cupy_rmsnorm.bench {command} --replot {report}")
 
 
 # -- optional peers ------------------------------------------------------------------------------
