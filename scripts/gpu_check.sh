@@ -11,7 +11,8 @@
 #                 scripts/sanitize/ (scripts/sanitize.sh)               -> OUTDIR/sanitize.log, OUTDIR/sanitize/
 #   3. host       per-call host cost (benchmarks/host_overhead.py)      -> OUTDIR/host_overhead.{json,log}
 #   4. reports    only with REPORTS=1: python -m cupy_rmsnorm.bench forward, backward, quant,
-#                 e2e and train --out OUTDIR/reports --name <report>    -> OUTDIR/reports/, OUTDIR/report_<name>.log
+#                 qk_rope, e2e and train --out OUTDIR/reports --name <report>
+#                                                                       -> OUTDIR/reports/, OUTDIR/report_<name>.log
 # then a summary: the GPU, pytest's summary line, one line per sanitizer tool and grid, and
 # each step's exit status. Exits non-zero when a step that ran failed.
 #
@@ -78,7 +79,7 @@ fi
 
 if [ "${REPORTS:-0}" = 1 ]; then
     mkdir -p "$out/reports"
-    for name in ${REPORT_NAMES:-forward backward quant e2e train}; do
+    for name in ${REPORT_NAMES:-forward backward quant qk_rope e2e train}; do
         echo "== report $name ($SECONDS s)"
         # SIGINT at the limit: a report saves what it measured
         # shellcheck disable=SC2086  # REPORT_ARGS is a list of options on purpose

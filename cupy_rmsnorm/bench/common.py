@@ -1,6 +1,7 @@
 """What every sub-command shares: the common options and the shape syntax, exit codes, the
 no-GPU message, the checks for optional peers (with how to install them), what a report
-records about its run, and the writing of a report's files.
+records about its run, the tables of a report sectioned by pass, mode and dtype, the copy
+floor and the agreement check of the torch sub-commands, and the writing of a report's files.
 
 Nothing here imports CuPy or torch at module level, so the command line and the reports
 work (and are tested) on a machine without a GPU.
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from importlib import metadata
+from typing import Callable, NamedTuple
 
 PROG = "cupy-rmsnorm-bench"
 EXIT_OK = 0
@@ -45,9 +47,9 @@ INSTALL_HINTS = {
 PEERS_HELP = ("peers: each is used where it is installed, the rest are left out with a note. On top of a\n"
               "CUDA build of torch, `pip install liger-kernel` adds Liger-Kernel (torch.compile needs the\n"
               "Triton that Linux torch wheels bring); the e2e and train sub-commands need `pip install\n"
-              "transformers`; the quant sub-command's FlashInfer peer needs `pip install flashinfer-python`\n"
-              "(only its headers are used) and nvcc on PATH; the gated sub-command's FLA peers need\n"
-              "`pip install fla-core`.")
+              "transformers`; the quant and qk_rope sub-commands' FlashInfer peer needs\n"
+              "`pip install flashinfer-python` (only its headers are used) and nvcc on PATH; the gated\n"
+              "sub-command's FLA peers need `pip install fla-core`.")
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -182,21 +184,27 @@ def resolve_defaults(args, defaults, quick=None):
 
 
 def committed_report(command):
-    """The committed report of ``command``: its path from here where this checkout has it, else
-    its place in the repository."""
-    path = os.path.join(library_root(), COMMITTED_RESULTS, f"{command}.json")
+    """The committed report of ``command``: its path from here where this checkout has it, its
+    place in the repository where the library is not a checkout (an installed package), None
+    where this checkout's results have no report of it."""
+    results = os.path.join(library_root(), COMMITTED_RESULTS)
+    path = os.path.join(results, f"{command}.json")
     if not os.path.isfile(path):
-        return f"{COMMITTED_RESULTS}/{command}.json"
+        return None if os.path.isdir(results) else f"{COMMITTED_RESULTS}/{command}.json"
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
 
 
 def no_gpu_message(command, reason):
     """The one line every sub-command prints without a GPU: what is missing, and how to see
-    the committed report instead."""
+    the committed report instead (or that none is committed yet)."""
     reason = " ".join(str(reason).split())    # one line, whatever the driver said
+    report = committed_report(command)
+    if report is None:
+        return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). No report of {command} "
+                f"is committed yet (it would be {COMMITTED_RESULTS}/{command}.json)")
     return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). The committed report: "
-            f"python -m cupy_rmsnorm.bench {command} --replot {committed_report(command)}")
+            f"python -m cupy_rmsnorm.bench {command} --replot {report}")
 
 
 # -- optional peers ------------------------------------------------------------------------------
@@ -375,6 +383,73 @@ def format_header(meta):
     return "\n".join(lines)
 
 
+def worst_err(record):
+    """The largest of a record's ``err`` values as text (``nan`` where one is NaN, ``-`` where none)."""
+    errs = [float(v) for v in record.get("err", {}).values() if v is not None]
+    if not errs:
+        return "-"
+    return f"{float('nan') if any(math.isnan(e) for e in errs) else max(errs):.1e}"
+
+
+def best_peer_summary(results, peers):
+    """Geometric mean of ours / the best of ``peers`` over the records where both ran."""
+    ratios = [r["us"]["ours"] / min(r["us"][i] for i in peers if r["us"].get(i)) for r in results
+              if r["us"].get("ours") and any(r["us"].get(i) for i in peers)]
+    return f"geomean ours / best peer: {geomean(ratios):.3f} over {len(ratios)} cases" if ratios else ""
+
+
+def sections(results, ops, modes):
+    """{(op, mode, dtype): its records}: passes in ``ops`` order, modes in ``modes`` order, dtypes
+    as measured."""
+    keys = unique((r["op"], r["mode"], r["dtype"]) for r in results)
+    keys.sort(key=lambda k: (ops.index(k[0]), modes.index(k[1])))
+    return {k: [r for r in results if (r["op"], r["mode"], r["dtype"]) == k] for k in keys}
+
+
+class SectionedReport(NamedTuple):
+    """How a report of one table per (pass, mode, dtype) section reads: ``heading`` of its
+    Markdown, ``note`` under the copy bandwidth, the table's ``headers`` and ``left``-aligned
+    columns, ``rows(records)`` its rows, ``op_titles`` {pass: its title} in the sections' order,
+    ``modes`` in the sections' order, ``peers`` the best peer's candidates."""
+    heading: str
+    note: str
+    headers: list
+    left: tuple
+    rows: Callable
+    op_titles: dict
+    modes: tuple
+    peers: tuple
+
+
+def section_title(spec, key):
+    op, mode, dtype = key
+    return f"{spec.op_titles[op]}, {mode} mode, {dtype}: GPU microseconds per call (medians)"
+
+
+def sectioned_text(spec, payload):
+    """The console report: header, copy bandwidth and note, a table and summary per section, notes."""
+    meta = payload["meta"]
+    parts = [format_header(meta), f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s; {spec.note}"]
+    for key, rows in sections(payload["results"], tuple(spec.op_titles), spec.modes).items():
+        parts.append(f"== {section_title(spec, key)}\n" + render_table(spec.headers, spec.rows(rows), left=spec.left)
+                     + "\n" + best_peer_summary(rows, spec.peers))
+    parts.append("\n".join(notes(payload)))
+    return "\n\n".join(p.strip() for p in parts if p)
+
+
+def sectioned_markdown(spec, payload):
+    """The Markdown report: the same sections as ``sectioned_text``."""
+    meta = payload["meta"]
+    lines = [f"# {spec.heading}: {(meta.get('device') or {}).get('gpu', '?')}, copy bandwidth "
+             f"{meta.get('copy_GBps', 0):.0f} GB/s", "", format_header(meta).replace("\n", "  \n"), "",
+             spec.note + ".", ""]
+    for key, rows in sections(payload["results"], tuple(spec.op_titles), spec.modes).items():
+        summary = best_peer_summary(rows, spec.peers)
+        lines += [f"## {section_title(spec, key)}", "", markdown_table(spec.headers, spec.rows(rows)), ""]
+        lines += [summary, ""] if summary else []
+    return "\n".join(lines + [f"- {n}" for n in notes(payload)]) + "\n"
+
+
 # -- files --------------------------------------------------------------------------------------------
 def _json_safe(obj):
     """NaN and infinities as strings (JSON has none); everything else as is."""
@@ -448,6 +523,40 @@ def finish_run(module, args, payload, interrupted=False):
     return EXIT_OK if payload.get("results") else EXIT_ERROR
 
 
+def record_error(payload, where, e):
+    """An error of a run (an exception or a sentence) into the payload's errors, and logged."""
+    text = e if isinstance(e, str) else error_text(e)
+    payload["errors"].append({"where": where, "error": text})
+    log(f"error: {where}: {text}")
+
+
+def disagreement(result, reference):
+    """max |result - reference| / max |reference| in float32, the worst over the outputs (NaN
+    where an output holds one). Outputs may be torch tensors or CuPy arrays."""
+    import torch
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    references = reference if isinstance(reference, (tuple, list)) else (reference,)
+    if len(results) != len(references):
+        raise ValueError(f"{len(results)} outputs where ours has {len(references)}")
+    errs = []
+    for a, b in zip(results, references):
+        if not isinstance(a, torch.Tensor):
+            from .arrays import to_torch
+            a = to_torch(a)
+        a, b = a.float(), b.float()
+        if a.shape != b.shape:
+            raise ValueError(f"an output of shape {tuple(a.shape)} where ours is {tuple(b.shape)}")
+        errs.append(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
+    return float("nan") if any(math.isnan(e) for e in errs) else max(errs)
+
+
+def device_copy(torch, nbytes):
+    """The floor: a device copy moving ``nbytes`` (half read, half written, as int32)."""
+    src = torch.empty(nbytes // 2 // 4, dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def bar_chart(path, title, groups, labels, series):
     """Bars of time over the copy floor's (1 = the speed of a device copy of the same bytes):
     one panel per ``groups`` entry (its title, then one value list per ``series`` name, a
@@ -470,3 +579,21 @@ def bar_chart(path, title, groups, labels, series):
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)
     return [path]
+
+
+def section_charts(spec, payload, stem, title, impls, label):
+    """``stem_MODE_DTYPE.png``: each of ``impls``' time over the copy's, per record, a panel per pass
+    (``title(mode, dtype)``: the chart's title; ``label(record)``: a bar's label)."""
+    paths = []
+    results = [r for r in payload["results"] if r["us"].get("copy")]
+    by_section = sections(results, tuple(spec.op_titles), spec.modes)
+    for mode, dtype in unique((r["mode"], r["dtype"]) for r in results):
+        groups, labels = [], []
+        for (op, m, d), rows in by_section.items():
+            if (m, d) != (mode, dtype):
+                continue
+            groups.append((spec.op_titles[op], {
+                i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None for r in rows] for i in impls}))
+            labels.append([label(r) for r in rows])
+        paths += bar_chart(f"{stem}_{mode}_{dtype}.png", title(mode, dtype), groups, labels, impls)
+    return paths

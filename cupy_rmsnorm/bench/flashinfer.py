@@ -1,37 +1,70 @@
-"""FlashInfer's quantized RMSNorm kernels for the quant sub-command: the headers they need, taken
+"""FlashInfer's kernels for the quant and qk_rope sub-commands: the headers they need, taken
 from a flashinfer-python wheel or installed package, built with nvcc behind the ``extern "C"``
-entry points of ``flashinfer_quant.cu``, loaded with ctypes.
+entry points of a small wrapper (``flashinfer_quant.cu``: the quantized RMSNorm kernels;
+``flashinfer_rope.cu``: the in-place rotary embedding from positions and a cos / sin cache),
+loaded with ctypes.
 
 FlashInfer's ``include/flashinfer/norm.cuh`` holds the RMSNorm kernels (``RMSNormQuant``,
 ``FusedAddRMSNormQuant``, ``FusedAddRMSNormFP8BlockQuant``) and, after them, LayerNorm code
 from TensorRT-LLM whose headers want cuBLAS and cuRAND. ``norm_rms.cuh`` is norm.cuh up to
 that LayerNorm code (the RMSNorm kernels verbatim), without the TensorRT-LLM includes and
-using-directive; with it come the few headers it includes (under 200 KB in all).
+using-directive. ``pos_enc.cuh`` holds ``BatchQKApplyRotaryPosIdsCosSinCache``. With them come
+the headers they include, followed include by include (under 400 KB in all), and the CUDA C++
+library (libcudacxx) that FlashInfer ships and builds against ahead of the toolkit's own
+(``fastdiv.cuh``, which pos_enc.cuh includes, wants its ``cuda::fast_mod_div``, newer than
+CUDA 13.0's; about 11 MB).
 
 Where the GPU machine cannot download, extract the headers where it can and carry the folder:
 
     pip download flashinfer-python --no-deps -d /tmp/fi
     python -m cupy_rmsnorm.bench.flashinfer /tmp/fi/flashinfer_python-*.whl    # -> .flashinfer/
     python -m cupy_rmsnorm.bench quant --flashinfer .flashinfer                 # on the GPU machine
+    python -m cupy_rmsnorm.bench qk_rope --flashinfer .flashinfer
 """
 
 import argparse
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from typing import NamedTuple
 
-HEADERS = ("utils.cuh", "exception.h", "math.cuh", "vec_dtypes.cuh")
+# The headers the wrappers include; the rest of what is extracted is their #include closure.
+# norm.cuh is written trimmed, as norm_rms.cuh (and its includes are followed from the trimmed text).
+ROOTS = ("norm.cuh", "pos_enc.cuh")
+TRIMMED = {"norm.cuh": "norm_rms.cuh"}
 WHEEL_PREFIX = "flashinfer/data/include/flashinfer/"
+CCCL = ("data", "cccl", "libcudacxx", "include")     # FlashInfer's libcudacxx, in its package
+WHEEL_CCCL_PREFIX = "flashinfer/" + "/".join(CCCL) + "/"
 CUT = "template <typename Tf, typename T>\n__inline__ __device__ Tf compute_layernorm"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flashinfer_quant.cu")
-ENTRY_POINTS = ("fi_rmsnorm_quant", "fi_fused_add_rmsnorm_quant", "fi_fused_add_rmsnorm_fp8_block_quant")
-LIBRARY = "libfiquant.so"
+HERE = os.path.dirname(os.path.abspath(__file__))
+QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+class Wrapper(NamedTuple):
+    """One ``extern "C"`` wrapper: its source, the library it builds into, the header of the
+    extracted folder it needs (to tell a folder prepared for it), and its entry points:
+    {name: (ctypes result type, argument types or None for ctypes' defaults)}."""
+    source: str
+    library: str
+    header: str
+    entry_points: dict
+
+
+_p, _u, _s, _i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_int
+QUANT = Wrapper(os.path.join(HERE, "flashinfer_quant.cu"), "libfiquant.so", "norm_rms.cuh",
+                dict.fromkeys(("fi_rmsnorm_quant", "fi_fused_add_rmsnorm_quant",
+                               "fi_fused_add_rmsnorm_fp8_block_quant"), (_i, None)))
+ROPE = Wrapper(os.path.join(HERE, "flashinfer_rope.cu"), "libfirope.so", "pos_enc.cuh",
+               {"fi_rope_pos_ids_cos_sin_cache": (_i, [_p, _p, _p, _p, _u, _u, _u, _u, _u, _s, _s, _s, _s, _i, _i, _p]),
+                "fi_rope_last_error": (ctypes.c_char_p, [])})
 
 
 def trimmed_norm(src):
@@ -43,43 +76,93 @@ def trimmed_norm(src):
     return body + "\n}  // namespace norm\n\n}  // namespace flashinfer\n\n#endif  // FLASHINFER_NORM_CUH_\n"
 
 
-def write_headers(read, version, out):
-    """The headers into ``out/include/flashinfer`` (``read(name)``: the bytes of one header of
-    FlashInfer's include/flashinfer), and ``out/include/VERSION``. Returns the include folder."""
+def quoted_includes(text):
+    """The FlashInfer headers ``text`` includes by quoted name, relative to include/flashinfer."""
+    return [name[len("flashinfer/"):] if name.startswith("flashinfer/") else name
+            for name in QUOTED_INCLUDE.findall(text)]
+
+
+def header_closure(read, roots=ROOTS):
+    """{name: text} of ``roots`` and every FlashInfer header they include, include by include
+    (``read(name)``: the bytes of include/flashinfer/NAME); norm.cuh trimmed (``trimmed_norm``)
+    under the name norm_rms.cuh."""
+    texts, todo = {}, list(roots)
+    while todo:
+        name = todo.pop(0)
+        if TRIMMED.get(name, name) in texts:
+            continue
+        try:
+            text = read(name).decode("utf-8", "surrogateescape")     # the bytes as they are, written back
+        except (KeyError, FileNotFoundError):
+            raise ValueError(f"FlashInfer's {name} is missing (another FlashInfer version?)") from None
+        if name == "norm.cuh":
+            text = trimmed_norm(text)
+        texts[TRIMMED.get(name, name)] = text
+        todo += [n for n in quoted_includes(text) if TRIMMED.get(n, n) not in texts]
+    return texts
+
+
+def _write_if_changed(path, data):
+    """``data`` (bytes) into ``path`` unless it holds them already: an unchanged header keeps its
+    time, so a library built from it is not rebuilt."""
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    except OSError:
+        pass
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def write_headers(read, version, out, cccl=()):
+    """``header_closure(read)`` into ``out/include/flashinfer`` (``read(name)``: the bytes of one
+    header of FlashInfer's include/flashinfer), ``out/include/VERSION``, and ``cccl`` ((path
+    relative to libcudacxx's include folder, a function returning its bytes) pairs) into
+    ``out/cccl``. Returns the include folder."""
     include = os.path.join(out, "include")
-    dest = os.path.join(include, "flashinfer")
-    os.makedirs(dest, exist_ok=True)
-    for name in HEADERS:
-        with open(os.path.join(dest, name), "wb") as f:
-            f.write(read(name))
-    with open(os.path.join(dest, "norm_rms.cuh"), "w", encoding="utf-8") as f:
-        f.write(trimmed_norm(read("norm.cuh").decode()))
-    with open(os.path.join(include, "VERSION"), "w", encoding="utf-8") as f:
-        f.write(version + "\n")
+    for name, text in header_closure(read).items():
+        _write_if_changed(os.path.join(include, "flashinfer", name), text.encode("utf-8", "surrogateescape"))
+    _write_if_changed(os.path.join(include, "VERSION"), (version + "\n").encode())
+    for relative, read_file in cccl:
+        _write_if_changed(os.path.join(out, "cccl", *relative.split("/")), read_file())
     return include
 
 
 def headers_from_wheel(wheel, out):
     with zipfile.ZipFile(wheel) as whl:
-        version = next((n.split("/")[0][:-len(".dist-info")].split("-")[1] for n in whl.namelist()
+        names = whl.namelist()
+        version = next((n.split("/")[0][:-len(".dist-info")].split("-")[1] for n in names
                         if n.endswith(".dist-info/METADATA")), "unknown")
-        return write_headers(lambda name: whl.read(WHEEL_PREFIX + name), version, out)
+        cccl = [(n[len(WHEEL_CCCL_PREFIX):], functools.partial(whl.read, n)) for n in names
+                if n.startswith(WHEEL_CCCL_PREFIX) and not n.endswith("/")]
+        return write_headers(lambda name: whl.read(WHEEL_PREFIX + name), version, out, cccl)
 
 
-def installed_include():
-    """(include/flashinfer folder of the installed flashinfer-python, its version), or None."""
+def _folder_files(folder):
+    """(path relative to ``folder`` with / separators, a function returning its bytes) of every file
+    under it."""
+    return [(os.path.relpath(os.path.join(root, n), folder).replace(os.sep, "/"),
+             functools.partial(_read, os.path.join(root, n)))
+            for root, _, files in os.walk(folder) for n in files]
+
+
+def installed_package():
+    """(the folder of the installed flashinfer package, with data/include/flashinfer, its
+    version), or None."""
     spec = importlib.util.find_spec("flashinfer")
     if spec is None or not spec.submodule_search_locations:
         return None
-    folder = os.path.join(list(spec.submodule_search_locations)[0], "data", "include", "flashinfer")
-    if not os.path.isfile(os.path.join(folder, "norm.cuh")):
+    package = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(package, "data", "include", "flashinfer", "norm.cuh")):
         return None
     from importlib import metadata
     try:
         version = metadata.version("flashinfer-python")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    return folder, version
+    return package, version
 
 
 def _read(path):
@@ -92,59 +175,69 @@ def find_nvcc():
     return found or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)), None)
 
 
-def build(include, out_dir, arch):
-    """``flashinfer_quant.cu`` built against ``include`` for sm_``arch`` into ``out_dir``
-    (reused when there already); the library's path."""
-    lib = os.path.join(out_dir, f"sm{arch}", LIBRARY)
-    inputs = [SOURCE] + glob.glob(os.path.join(include, "flashinfer", "*"))
+def build(include, out_dir, arch, wrapper=QUANT):
+    """``wrapper``'s source built against ``include`` (and FlashInfer's libcudacxx in the ``cccl``
+    folder beside it, first, where it was extracted) for sm_``arch`` into ``out_dir`` (reused when
+    there already, newer than its inputs); the library's path. Raises RuntimeError without nvcc."""
+    lib = os.path.join(out_dir, f"sm{arch}", wrapper.library)
+    inputs = [wrapper.source] + glob.glob(os.path.join(include, "flashinfer", "*"))
     if os.path.isfile(lib) and os.path.getmtime(lib) >= max(os.path.getmtime(p) for p in inputs):
         return lib
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc is not on PATH (a CUDA toolkit builds FlashInfer's kernels)")
     os.makedirs(os.path.dirname(lib), exist_ok=True)
-    cmd = [nvcc, "-O3", "-std=c++17", f"-arch=sm_{arch}", "-shared", "-Xcompiler", "-fPIC", "-I", include,
-           SOURCE, "-o", lib]
+    cccl = os.path.join(os.path.dirname(include), "cccl")
+    cccl_flags = ["-I", cccl] if os.path.isdir(cccl) else []     # ahead of the toolkit's copy, as FlashInfer's JIT
+    cmd = [nvcc, "-O3", "-std=c++17", f"-arch=sm_{arch}", "-shared", "-Xcompiler", "-fPIC", *cccl_flags,
+           "-I", include, wrapper.source, "-o", lib]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed: {' '.join(proc.stderr.strip().splitlines()[-3:])}")
     return lib
 
 
-def load(path):
+def load(path, wrapper=QUANT):
     lib = ctypes.CDLL(path)
-    for name in ENTRY_POINTS:
-        getattr(lib, name).restype = ctypes.c_int
+    for name, (restype, argtypes) in wrapper.entry_points.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        if argtypes is not None:
+            fn.argtypes = argtypes
     return lib
 
 
-def library(spec, arch):
+def library(spec, arch, wrapper=QUANT):
     """(the loaded library, None) or (None, why not) for ``--flashinfer``'s ``spec``: a built
-    library (.so), a folder of extracted headers (with include/flashinfer/norm_rms.cuh), a
-    flashinfer_python wheel, None for the installed flashinfer-python, or "none"."""
+    library (.so) of ``wrapper``, a folder of extracted headers (with include/flashinfer/ and the
+    wrapper's header), a flashinfer_python wheel, None for the installed flashinfer-python, or
+    "none"."""
     if spec == "none":
         return None, "--flashinfer none"
     try:
         if spec and spec.endswith(".so"):
-            return load(spec), None
+            return load(spec, wrapper), None
         cache = os.path.join(tempfile.gettempdir(), "cupy_rmsnorm_flashinfer")
         if spec and os.path.isdir(spec):
             include = os.path.join(spec, "include")
-            if not os.path.isfile(os.path.join(include, "flashinfer", "norm_rms.cuh")):
-                return None, f"{spec} has no include/flashinfer/norm_rms.cuh (python -m {__name__} WHEEL)"
-            return load(build(include, spec, arch)), None
+            if not os.path.isfile(os.path.join(include, "flashinfer", wrapper.header)):
+                return None, f"{spec} has no include/flashinfer/{wrapper.header} (python -m {__name__} WHEEL)"
+            return load(build(include, spec, arch, wrapper), wrapper), None
         if spec:
             out = os.path.join(cache, os.path.basename(spec).rsplit(".", 1)[0])
-            return load(build(headers_from_wheel(spec, out), out, arch)), None
-        installed = installed_include()
+            return load(build(headers_from_wheel(spec, out), out, arch, wrapper), wrapper), None
+        installed = installed_package()
         if installed is None:
             return None, ("flashinfer-python is not installed (pip install flashinfer-python: its headers are "
                           "used, with nvcc on PATH; or --flashinfer)")
-        folder, version = installed
+        package, version = installed
         out = os.path.join(cache, version)
-        include = write_headers(lambda name: _read(os.path.join(folder, name)), version, out)
-        return load(build(include, out, arch)), None
-    except (OSError, RuntimeError, ValueError, KeyError, zipfile.BadZipFile, subprocess.SubprocessError) as e:
+        folder, cccl = os.path.join(package, "data", "include", "flashinfer"), os.path.join(package, *CCCL)
+        include = write_headers(lambda name: _read(os.path.join(folder, name)), version, out,
+                                _folder_files(cccl) if os.path.isdir(cccl) else ())
+        return load(build(include, out, arch, wrapper), wrapper), None
+    except (OSError, RuntimeError, ValueError, KeyError, AttributeError, zipfile.BadZipFile,
+            subprocess.SubprocessError) as e:
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -154,7 +247,8 @@ def main(argv=None):
     p.add_argument("--out", default=".flashinfer", help="folder to write include/ to (default: .flashinfer)")
     args = p.parse_args(argv)
     include = headers_from_wheel(args.wheel, args.out)
-    print(f"FlashInfer headers in {include}; then: python -m cupy_rmsnorm.bench quant --flashinfer {args.out}")
+    print(f"FlashInfer headers in {include}; then: python -m cupy_rmsnorm.bench quant (or qk_rope) "
+          f"--flashinfer {args.out}")
     return 0
 
 

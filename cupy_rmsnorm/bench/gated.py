@@ -35,12 +35,11 @@ the implementation is not timed in that case.
 
 import functools
 import importlib.util
-import math
 import sys
 import time
 from typing import NamedTuple, Optional
 
-from . import common, peers, quant
+from . import common, peers
 
 SUMMARY = "the gated RMSNorm (Gated DeltaNet, Mamba2) against FLA, torch.compile and HF, forward and backward"
 IMPLS = ("ours", "ours_cupy", "fla", "fla_grouped", "torch.compile", "hf", "copy")
@@ -222,57 +221,21 @@ def availability(names):
 HEADERS = ["shape", "group", "order", *IMPLS, "ours / best", "ours / copy", "max err"]
 
 
-def _worst_err(record):
-    errs = [float(v) for v in record.get("err", {}).values() if v is not None]
-    if not errs:
-        return "-"
-    return f"{float('nan') if any(math.isnan(e) for e in errs) else max(errs):.1e}"
-
-
 def table_rows(results):
     return [[shape_text(case_of(r)), r["group_size"] or "-", r["order"], *common.timing_cells(r["us"], IMPLS, PEERS),
-             _worst_err(r)] for r in results]
+             common.worst_err(r)] for r in results]
 
 
-def _sections(results):
-    """{(op, mode, dtype): its records}, passes and modes in the usual order, dtypes as measured."""
-    keys = common.unique((r["op"], r["mode"], r["dtype"]) for r in results)
-    keys.sort(key=lambda k: (OPS.index(k[0]), MODES.index(k[1])))
-    return {k: [r for r in results if (r["op"], r["mode"], r["dtype"]) == k] for k in keys}
-
-
-def _title(key):
-    op, mode, dtype = key
-    return f"{OP_TITLES[op]}, {mode} mode, {dtype}: GPU microseconds per call (medians)"
-
-
-def _summary(results):
-    """Geometric mean of ours / the best peer over the cases where both ran."""
-    ratios = [r["us"]["ours"] / min(r["us"][i] for i in PEERS if r["us"].get(i)) for r in results
-              if r["us"].get("ours") and any(r["us"].get(i) for i in PEERS)]
-    return f"geomean ours / best peer: {common.geomean(ratios):.3f} over {len(ratios)} cases" if ratios else ""
+REPORT = common.SectionedReport(heading="Gated RMSNorm", note=NOTE, headers=HEADERS, left=(0, 2), rows=table_rows,
+                                op_titles=OP_TITLES, modes=MODES, peers=PEERS)
 
 
 def format_report(payload):
-    meta = payload["meta"]
-    parts = [common.format_header(meta), f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s; {NOTE}"]
-    for key, rows in _sections(payload["results"]).items():
-        parts.append(f"== {_title(key)}\n" + common.render_table(HEADERS, table_rows(rows), left=(0, 2))
-                     + "\n" + _summary(rows))
-    parts.append("\n".join(common.notes(payload)))
-    return "\n\n".join(p.strip() for p in parts if p)
+    return common.sectioned_text(REPORT, payload)
 
 
 def format_markdown(payload):
-    meta = payload["meta"]
-    lines = [f"# Gated RMSNorm: {(meta.get('device') or {}).get('gpu', '?')}, copy bandwidth "
-             f"{meta.get('copy_GBps', 0):.0f} GB/s", "", common.format_header(meta).replace("\n", "  \n"), "",
-             NOTE + ".", ""]
-    for key, rows in _sections(payload["results"]).items():
-        summary = _summary(rows)
-        lines += [f"## {_title(key)}", "", common.markdown_table(HEADERS, table_rows(rows)), ""]
-        lines += [summary, ""] if summary else []
-    return "\n".join(lines + [f"- {n}" for n in common.notes(payload)]) + "\n"
+    return common.sectioned_markdown(REPORT, payload)
 
 
 def csv_table(payload):
@@ -288,20 +251,9 @@ def csv_table(payload):
 
 def write_charts(payload, stem):
     """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per case, a panel per pass."""
-    paths = []
-    impls = [i for i in IMPLS if i != "copy"]
-    results = [r for r in payload["results"] if r["us"].get("copy")]
-    for mode, dtype in common.unique((r["mode"], r["dtype"]) for r in results):
-        groups, labels = [], []
-        for (op, m, d), rows in _sections(results).items():
-            if (m, d) != (mode, dtype):
-                continue
-            groups.append((OP_TITLES[op], {i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None
-                                               for r in rows] for i in impls}))
-            labels.append([describe(case_of(r)).replace(" ", "\n", 1) for r in rows])
-        paths += common.bar_chart(f"{stem}_{mode}_{dtype}.png", f"gated RMSNorm, {dtype}, {mode} mode: time over "
-                                  "a copy of the same bytes", groups, labels, impls)
-    return paths
+    return common.section_charts(
+        REPORT, payload, stem, lambda mode, dtype: f"gated RMSNorm, {dtype}, {mode} mode: time over a copy of "
+        "the same bytes", [i for i in IMPLS if i != "copy"], lambda r: describe(case_of(r)).replace(" ", "\n", 1))
 
 
 # -- the inputs and the implementations ------------------------------------------------------------
@@ -422,7 +374,7 @@ def build(torch, impl, op, case, inputs):
     returning y (fwd) or (dx, dgate, dweight)."""
     x, gate, weight, dy = (inputs[k] for k in ("x", "gate", "weight", "dy"))
     if impl == "copy":
-        return quant.device_copy(torch, moved_bytes(op, case, x.element_size()))
+        return common.device_copy(torch, moved_bytes(op, case, x.element_size()))
     if impl == "ours_cupy":
         return _cupy_call(op, case, inputs)
     if impl == "ours" and op in ("fwd", "bwd"):
@@ -443,26 +395,6 @@ def build(torch, impl, op, case, inputs):
         y = forward(xg, gg)            # recorded once, outside the timed calls
         return lambda: torch.autograd.grad(y, (xg, gg, w), dy, retain_graph=True)
     return lambda: torch.autograd.grad(forward(xg, gg), (xg, gg, w), dy)
-
-
-def disagreement(result, reference):
-    """max |result - reference| / max |reference| in float32, the worst over the outputs (NaN
-    where an output holds one). Outputs may be torch tensors or CuPy arrays."""
-    import torch
-    results = result if isinstance(result, (tuple, list)) else (result,)
-    references = reference if isinstance(reference, (tuple, list)) else (reference,)
-    if len(results) != len(references):
-        raise ValueError(f"{len(results)} outputs where ours has {len(references)}")
-    errs = []
-    for a, b in zip(results, references):
-        if not isinstance(a, torch.Tensor):
-            from .arrays import to_torch
-            a = to_torch(a)
-        a, b = a.float(), b.float()
-        if a.shape != b.shape:
-            raise ValueError(f"an output of shape {tuple(a.shape)} where ours is {tuple(b.shape)}")
-        errs.append(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
-    return float("nan") if any(math.isnan(e) for e in errs) else max(errs)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -506,12 +438,6 @@ def run(args):
     return common.finish_run(sys.modules[__name__], args, payload, interrupted)
 
 
-def _error(payload, where, e):
-    text = e if isinstance(e, str) else common.error_text(e)
-    payload["errors"].append({"where": where, "error": text})
-    common.log(f"error: {where}: {text}")
-
-
 def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runners, scratch, bandwidth, counts):
     """Every pass, implementation and mode of one case and dtype: each implementation built and
     checked against ours once per pass, then timed in each mode."""
@@ -524,7 +450,7 @@ def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runners
             reference = build(torch, "ours", "fwd" if op == "fwd" else "bwd", case, inputs)()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - nothing to check the others against: the next pass
-            _error(payload, f"ours {op} {where}", e)
+            common.record_error(payload, f"ours {op} {where}", e)
             continue
         rows = {mode: {**case._asdict(), "op": op, "mode": mode, "dtype": dtype_name, "bytes": nbytes,
                        "us": dict.fromkeys(impls), "err": {}} for mode in args.modes}
@@ -541,23 +467,23 @@ def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runners
                     fn = build(torch, impl, op, case, inputs)
                 result = timing.warm_up(runner, fn)
                 if impl != "copy":
-                    err = disagreement(result, reference)
+                    err = common.disagreement(result, reference)
                     for row in rows.values():
                         row["err"][impl] = err
                     if not err <= TOLERANCE:
-                        _error(payload, f"{impl} {op} {where}", f"max |{impl} - ours| / max |ours| = {err:.2e}, "
+                        common.record_error(payload, f"{impl} {op} {where}", f"max |{impl} - ours| / max |ours| = {err:.2e}, "
                                f"past the tolerance {TOLERANCE}: not timed")
                         continue
                 del result
                 calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
             except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
-                _error(payload, f"{impl} {op} {where}", e)
+                common.record_error(payload, f"{impl} {op} {where}", e)
                 continue
             for mode in args.modes:
                 try:
                     rows[mode]["us"][impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
                 except Exception as e:  # noqa: BLE001
-                    _error(payload, f"{impl} {op} {mode} {where}", e)
+                    common.record_error(payload, f"{impl} {op} {mode} {where}", e)
             del fn
         for row in rows.values():
             payload["results"].append(row)

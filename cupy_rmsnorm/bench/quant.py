@@ -204,13 +204,6 @@ def _check(err):
         raise RuntimeError(f"FlashInfer launch failed: CUDA error {err}")
 
 
-def device_copy(torch, nbytes):
-    """The floor: a device copy moving ``nbytes`` (half read, half written, as int32)."""
-    src = torch.empty(nbytes // 2 // 4, dtype=torch.int32, device="cuda")
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
-
-
 # -- the run ---------------------------------------------------------------------------------------
 def run(args):
     import torch
@@ -282,7 +275,7 @@ def _measure_shape(torch, timing, args, payload, lib, rows, hidden, dtype_name, 
                             compiled = torch.compile(eager, fullgraph=True, dynamic=False)
                             fn = lambda c=compiled: c(x, r, w, scale)  # noqa: E731
                         else:
-                            fn = device_copy(torch, nbytes)
+                            fn = common.device_copy(torch, nbytes)
                     if fn is not None:
                         calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
                         us[impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)

@@ -168,7 +168,7 @@ def test_the_composite_is_the_formula_and_the_hf_modules(case):
             result = call()
             assert [tuple(t.shape) for t in result] == [x.shape, x.shape, (case.width,)]
             assert all(torch.equal(a, b) for a, b in zip(result, grads)), op
-            assert gated.disagreement(result, grads) == 0.0
+            assert common.disagreement(result, grads) == 0.0
 
 
 def test_the_forward_records_no_graph_and_the_backward_keeps_the_strides():
@@ -185,16 +185,16 @@ def test_the_forward_records_no_graph_and_the_backward_keeps_the_strides():
 def test_disagreement():
     torch = pytest.importorskip("torch")
     ours = (torch.tensor([1.0, -4.0]), torch.tensor([2.0, 0.0]))
-    assert gated.disagreement(ours, ours) == 0.0
-    assert gated.disagreement((torch.tensor([1.0, -3.0]), ours[1]), ours) == pytest.approx(0.25)
-    assert gated.disagreement(torch.tensor([1.0, -4.0]).bfloat16(), torch.tensor([1.0, -4.1])) == pytest.approx(
+    assert common.disagreement(ours, ours) == 0.0
+    assert common.disagreement((torch.tensor([1.0, -3.0]), ours[1]), ours) == pytest.approx(0.25)
+    assert common.disagreement(torch.tensor([1.0, -4.0]).bfloat16(), torch.tensor([1.0, -4.1])) == pytest.approx(
         0.1 / 4.1, rel=1e-6)
-    nan = gated.disagreement((ours[0], torch.tensor([float("nan"), 0.0])), ours)
+    nan = common.disagreement((ours[0], torch.tensor([float("nan"), 0.0])), ours)
     assert nan != nan and not nan <= gated.TOLERANCE                       # a NaN fails the check
     with pytest.raises(ValueError, match="1 outputs where ours has 2"):
-        gated.disagreement(ours[0], ours)
+        common.disagreement(ours[0], ours)
     with pytest.raises(ValueError, match="shape"):
-        gated.disagreement(torch.zeros(3), torch.zeros(2))
+        common.disagreement(torch.zeros(3), torch.zeros(2))
 
 
 

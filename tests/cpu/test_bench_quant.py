@@ -1,6 +1,7 @@
-"""``python -m cupy_rmsnorm.bench quant`` and its FlashInfer peer on the CPU: arguments, bytes,
-the table and the files, the header extraction, what ``--flashinfer`` accepts, and (where nvcc
-and the extracted headers are here) that the FlashInfer wrapper compiles."""
+"""``python -m cupy_rmsnorm.bench quant`` and the FlashInfer peers on the CPU: arguments, bytes,
+the table and the files, the header extraction (the include closure of the headers the wrappers
+include, and FlashInfer's libcudacxx), what ``--flashinfer`` accepts, and (where nvcc and the
+extracted headers are here) that both FlashInfer wrappers compile."""
 
 import csv
 import os
@@ -80,41 +81,74 @@ def test_trimmed_norm_keeps_the_rmsnorm_kernels_only():
         flashinfer.trimmed_norm("namespace flashinfer {}")
 
 
-def fake_wheel(path):
+# a small FlashInfer: norm.cuh and pos_enc.cuh and what they include, a header nobody includes, and
+# a file of its libcudacxx
+FAKE_HEADERS = {"norm.cuh": NORM.replace('#include "math.cuh"', '#include "math.cuh"\n#include "flashinfer/utils.cuh"'),
+                "pos_enc.cuh": '#include <cmath>\n#include "page.cuh"\n#include "math.cuh"\n',
+                "page.cuh": '#include "fastdiv.cuh"\n#include "utils.cuh"\n', "fastdiv.cuh": "#include <cuda/cmath>\n",
+                "utils.cuh": '#include "exception.h"\n', "exception.h": "// exception.h\n", "math.cuh": "// math\n",
+                "sampling.cuh": '#include "math.cuh"\n'}
+EXTRACTED = ["exception.h", "fastdiv.cuh", "math.cuh", "norm_rms.cuh", "page.cuh", "pos_enc.cuh", "utils.cuh"]
+
+
+def fake_wheel(path, headers=FAKE_HEADERS):
     with zipfile.ZipFile(path, "w") as whl:
-        for name in flashinfer.HEADERS:
-            whl.writestr(flashinfer.WHEEL_PREFIX + name, f"// {name}\n")
-        whl.writestr(flashinfer.WHEEL_PREFIX + "norm.cuh", NORM)
+        for name, text in headers.items():
+            whl.writestr(flashinfer.WHEEL_PREFIX + name, text)
+        whl.writestr(flashinfer.WHEEL_CCCL_PREFIX + "cuda/cmath", "// libcudacxx's cuda/cmath\n")
         whl.writestr("flashinfer_python-0.7.4.dist-info/METADATA", "Name: flashinfer-python\n")
     return path
 
 
-def test_headers_from_a_wheel(tmp_path):
+def test_headers_from_a_wheel_are_the_include_closure(tmp_path):
     assert flashinfer.main([str(fake_wheel(tmp_path / "fi.whl")), "--out", str(tmp_path / "fi")]) == 0
     include = tmp_path / "fi" / "include"
-    assert sorted(os.listdir(include / "flashinfer")) == sorted(flashinfer.HEADERS + ("norm_rms.cuh",))
+    assert sorted(os.listdir(include / "flashinfer")) == EXTRACTED          # sampling.cuh: nobody includes it
     assert (include / "VERSION").read_text() == "0.7.4\n"
     assert "RMSNormQuant" in (include / "flashinfer" / "norm_rms.cuh").read_text()
+    assert (include / "flashinfer" / "page.cuh").read_text() == FAKE_HEADERS["page.cuh"]
+    assert (tmp_path / "fi" / "cccl" / "cuda" / "cmath").read_text() == "// libcudacxx's cuda/cmath\n"
+
+
+def test_an_unchanged_header_keeps_its_time(tmp_path):
+    """A second extraction rewrites nothing it would write the same, so a built library stays."""
+    wheel = fake_wheel(tmp_path / "fi.whl")
+    header = tmp_path / "fi" / "include" / "flashinfer" / "page.cuh"
+    flashinfer.headers_from_wheel(str(wheel), str(tmp_path / "fi"))
+    os.utime(header, (1, 1))
+    flashinfer.headers_from_wheel(str(wheel), str(tmp_path / "fi"))
+    assert os.path.getmtime(header) == 1
+
+
+def test_a_header_missing_from_the_closure_says_which():
+    headers = dict(FAKE_HEADERS)
+    del headers["fastdiv.cuh"]
+    with pytest.raises(ValueError, match="fastdiv.cuh is missing"):
+        flashinfer.header_closure(lambda name: headers[name].encode())
 
 
 def test_what_flashinfer_accepts(tmp_path, monkeypatch):
     assert flashinfer.library("none", "90") == (None, "--flashinfer none")
     lib, why = flashinfer.library(str(tmp_path), "90")
     assert lib is None and "has no include/flashinfer/norm_rms.cuh" in why
+    lib, why = flashinfer.library(str(tmp_path), "90", flashinfer.ROPE)
+    assert lib is None and "has no include/flashinfer/pos_enc.cuh" in why
     lib, why = flashinfer.library(str(tmp_path / "missing.so"), "90")
     assert lib is None and why.startswith("OSError")
     monkeypatch.setattr(flashinfer, "find_nvcc", lambda: None)
     monkeypatch.setattr(flashinfer.tempfile, "gettempdir", lambda: str(tmp_path / "cache"))
-    lib, why = flashinfer.library(str(fake_wheel(tmp_path / "fi.whl")), "90")   # extracted, then no nvcc
-    assert lib is None and "nvcc is not on PATH" in why
-    cached = tmp_path / "cache" / "cupy_rmsnorm_flashinfer" / "fi" / "include" / "flashinfer" / "norm_rms.cuh"
-    assert cached.is_file()
-    monkeypatch.setattr(flashinfer, "installed_include", lambda: None)
+    for wrapper in (flashinfer.QUANT, flashinfer.ROPE):
+        lib, why = flashinfer.library(str(fake_wheel(tmp_path / "fi.whl")), "90", wrapper)   # extracted, no nvcc
+        assert lib is None and "nvcc is not on PATH" in why
+    cached = tmp_path / "cache" / "cupy_rmsnorm_flashinfer" / "fi" / "include" / "flashinfer"
+    assert (cached / "norm_rms.cuh").is_file() and (cached / "pos_enc.cuh").is_file()
+    monkeypatch.setattr(flashinfer, "installed_package", lambda: None)
     lib, why = flashinfer.library(None, "90")
     assert lib is None and "pip install flashinfer-python" in why
 
 
-def test_build_runs_nvcc_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("wrapper", [flashinfer.QUANT, flashinfer.ROPE], ids=["quant", "rope"])
+def test_build_runs_nvcc_once(wrapper, tmp_path, monkeypatch):
     calls = []
 
     def fake_nvcc(cmd, capture_output, text, timeout):
@@ -123,21 +157,31 @@ def test_build_runs_nvcc_once(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
     monkeypatch.setattr(flashinfer, "find_nvcc", lambda: "/opt/cuda/bin/nvcc")
     monkeypatch.setattr(flashinfer.subprocess, "run", fake_nvcc)
-    lib = flashinfer.build("/inc", str(tmp_path), "90")
-    assert lib == str(tmp_path / "sm90" / flashinfer.LIBRARY) and flashinfer.build("/inc", str(tmp_path), "90") == lib
+    include = str(tmp_path / "include")
+    lib = flashinfer.build(include, str(tmp_path), "90", wrapper)
+    assert lib == str(tmp_path / "sm90" / wrapper.library)
+    assert flashinfer.build(include, str(tmp_path), "90", wrapper) == lib
     (cmd,) = calls                                             # the second call reused the library
-    assert cmd[0] == "/opt/cuda/bin/nvcc" and "-arch=sm_90" in cmd and cmd[cmd.index("-I") + 1] == "/inc"
-    assert flashinfer.SOURCE in cmd and os.path.isfile(flashinfer.SOURCE)
+    assert cmd[0] == "/opt/cuda/bin/nvcc" and "-arch=sm_90" in cmd and cmd[cmd.index("-I") + 1] == include
+    assert wrapper.source in cmd and os.path.isfile(wrapper.source)
+    os.makedirs(tmp_path / "cccl")                             # FlashInfer's libcudacxx, first on the path
+    os.remove(lib)
+    flashinfer.build(include, str(tmp_path), "90", wrapper)
+    assert len(calls) == 2
+    assert [calls[1][i + 1] for i, w in enumerate(calls[1]) if w == "-I"] == [str(tmp_path / "cccl"), include]
 
 
-HEADERS = os.path.join(ROOT, ".flashinfer", "include", "flashinfer", "norm_rms.cuh")
+EXTRACTED_INCLUDE = os.path.join(ROOT, ".flashinfer", "include")
 
 
-@pytest.mark.skipif(flashinfer.find_nvcc() is None or not os.path.isfile(HEADERS),
+@pytest.mark.skipif(flashinfer.find_nvcc() is None or not os.path.isfile(os.path.join(EXTRACTED_INCLUDE, "flashinfer",
+                                                                                      "pos_enc.cuh")),
                     reason="FlashInfer wrapper compile: needs nvcc and .flashinfer/include "
                            "(python -m cupy_rmsnorm.bench.flashinfer WHEEL)")
-def test_flashinfer_wrapper_compiles(tmp_path):
-    cmd = [flashinfer.find_nvcc(), "-std=c++17", "-arch=sm_90", "-c", "-I", os.path.dirname(os.path.dirname(HEADERS)),
-           flashinfer.SOURCE, "-o", str(tmp_path / "fi.o")]
+@pytest.mark.parametrize("wrapper", [flashinfer.QUANT, flashinfer.ROPE], ids=["quant", "rope"])
+def test_flashinfer_wrapper_compiles(wrapper, tmp_path):
+    cccl = os.path.join(os.path.dirname(EXTRACTED_INCLUDE), "cccl")
+    cmd = [flashinfer.find_nvcc(), "-std=c++17", "-arch=sm_90", "-c", *(["-I", cccl] if os.path.isdir(cccl) else []),
+           "-I", EXTRACTED_INCLUDE, wrapper.source, "-o", str(tmp_path / "fi.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

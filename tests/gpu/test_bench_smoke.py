@@ -1,5 +1,6 @@
 """Each sub-command of ``python -m cupy_rmsnorm.bench`` once on a GPU, at its smallest: it
-measures, writes its report with the commit it measured, and ``--replot`` reads that back."""
+measures, writes its report with the commit it measured, and ``--replot`` reads that back
+(gated's own, larger, is tests/gpu/test_bench_gated_gpu.py)."""
 
 import importlib.util
 import json
@@ -15,6 +16,7 @@ TINY = {
     "backward": ["--shapes", "64x4096", "--dtypes", "bf16", "--repeats", "2"],
     "quant": ["--shapes", "64x4096", "--cases", "static,fused per_group", "--repeats", "2", "--flashinfer", "none"],
     "train": ["--steps", "3", "--layers", "1", "--hidden", "256", "--batch", "2", "--seq", "64"],
+    "qk_rope": ["--tokens", "64", "--heads", "32/8x128", "--repeats", "2", "--peers", "torch_compile,copy"],
 }
 
 
@@ -64,3 +66,18 @@ def test_train(tmp_path, capsys):
     payload = run_and_replot("train", tmp_path, capsys)
     assert [r["variant"] for r in payload["results"]] == ["hf", "ours"]
     assert payload["meta"]["norms_replaced"] == 3 and payload["max_abs_loss_diff"] < 0.05
+
+
+@requires_torch_gpu
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the torch_compile peer needs Triton")
+def test_qk_rope(tmp_path, capsys):
+    payload = run_and_replot("qk_rope", tmp_path, capsys)
+    assert [(r["op"], r["mode"]) for r in payload["results"]] == [("fwd", "graph"), ("fwd", "cold"),
+                                                                  ("fwdbwd", "graph"), ("fwdbwd", "cold")]
+    for r in payload["results"]:
+        for impl in ("ours", "torch_compile", "copy"):
+            assert r["us"][impl] is not None and 0 < r["us"][impl] < float("inf"), (impl, r)
+        # against the float64 reference, relative to its largest magnitude: the bfloat16 tolerances of
+        # tests/gpu/test_gpu_qk_rope.py (llama mode: one unit of the element plus two of the head's
+        # largest) and tests/gpu/test_torch_qk_rope_gpu.py (gradients: 2**-6 of the largest)
+        assert r["err"]["ours"] <= (3 * 2.0 ** -7 if r["op"] == "fwd" else 2.0 ** -6), r

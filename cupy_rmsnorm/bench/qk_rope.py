@@ -1,0 +1,573 @@
+"""``qk_rope``: GPU time of QK norm + RoPE, the attention input of Qwen3 (``qk_norm_rope``: each
+head of q and k RMS-normalized with its own weight, then rotated by its token's angles, NeoX
+halves, full rotary), against its peers on the same torch tensors (weights of q's dtype, eps 1e-6,
+Qwen3's casting: the normalized value rounded to the dtype before the weight multiply, "llama"),
+in graph mode (CUDA events around the replay of a graph of many calls) and cold mode (one call
+after a 512 MiB write flushed the L2); medians over rounds.
+
+Cases: TxHQ/HKxD: q (T, HQ, D) and k (T, HK, D) are per-head views into one packed
+(T, (HQ + 2*HK) * D) projection output (v after them, never touched), as a serving engine's qkv
+projection leaves them. Each token has a random position in [0, 32768) (rope theta 1e6); an
+implementation takes its angles as vLLM's convention (int64 positions and a float32 cos_sin_cache
+of (32768, D), cos then sin) or as transformers' ((T, D) cos and sin in q's dtype, as Qwen3's
+rotary embedding returns them), whichever it needs.
+
+Passes: fwd, in place where the implementation can (the outputs written into the packed buffer's
+views; not restored between calls: every call normalizes again, so the values stay bounded); fwdbwd,
+out of place: ``torch.autograd.grad`` of (q_out, k_out) for q, k, q_weight and k_weight given random
+output gradients (q and k leaves with the packed views' strides; each implementation gets weights
+and output gradients of its own, since a backward may write over the gradient it is given).
+
+- ours: ``cupy_rmsnorm.qk_norm_rope`` on torch tensors: fwd with ``out_q=q, out_k=k`` (vLLM's
+  in-place call; ``torch.ops.cupy_rmsnorm.qk_norm_rope_inplace`` under torch.compile), one kernel;
+  fwdbwd through autograd (the registered op's backward: one kernel and the weight gradients' sum);
+- ours_unfused: this library's ``rms_norm`` on the q and k views (in place, ``out=``), then the
+  rotation by torch.compile of transformers' ``apply_rotary_pos_emb`` (rotate_half), written back
+  into the views; fwdbwd: ``rms_norm`` through autograd, then the compiled rotation;
+- torch_compile: ``torch.compile(fullgraph=True, dynamic=False)`` (one graph per shape) of
+  transformers' composite: Qwen3RMSNorm's formula on q and on k, then ``apply_rotary_pos_emb``,
+  copied into the views inside the compiled function; fwdbwd: the composite, its compiled backward;
+- liger: Liger-Kernel's ``LigerRMSNormFunction`` (llama casting, offset 0, as Liger patches Qwen3)
+  on the q and k views, then ``LigerRopeFunction`` on its outputs turned (1, H, T, D), as HF's
+  attention hands them over. Liger's norm copies a strided view to a contiguous one first and
+  writes new tensors, which its rope rotates in place: the packed buffer is only read;
+- flashinfer: this library's ``rms_norm`` on the views in place, then FlashInfer's
+  ``BatchQKApplyRotaryPosIdsCosSinCache`` in place (``flashinfer_rope.cu``, built by nvcc from
+  FlashInfer's headers: ``flashinfer.py``); bfloat16 and float16; forward only (FlashInfer's rope
+  has no backward);
+- copy: a device copy moving the same bytes (the floor): fwd reads and writes q and k (2 arrays of
+  their size), fwdbwd also reads the output gradients, q and k and writes dq and dk (5); the
+  angles (a token's row of D float32: 2.5% of Qwen3-8B's fwd bytes) and the weights are left out.
+
+Before it is timed, each implementation's outputs from one call on the case's inputs are compared
+with a float64 reference of norm then rotation (the float32 angles): ``err`` is max |theirs -
+reference| / max |reference|, the worst over the outputs (q_out and k_out; or dq, dk, dq_weight
+and dk_weight); past the tolerance it is an error and the implementation is not timed in that case.
+"""
+
+import functools
+import importlib.util
+import re
+import sys
+import time
+import types
+from typing import NamedTuple
+
+from . import common, peers
+
+SUMMARY = "QK norm + RoPE (Qwen3's attention input) against torch.compile, Liger and FlashInfer, fwd and fwd + bwd"
+IMPLS = ("ours", "ours_unfused", "torch_compile", "liger", "flashinfer", "copy")
+PEERS = ("torch_compile", "liger", "flashinfer")              # "best peer" is among these
+SELECTABLE = IMPLS[1:]                                         # what --peers chooses; "ours" always runs
+OPS = ("fwd", "fwdbwd")
+OP_TITLES = {"fwd": "forward (in place)", "fwdbwd": "forward + backward"}
+ARRAYS_MOVED = {"fwd": 2, "fwdbwd": 5}                         # q-and-k-sized arrays read + written
+MODES = ("graph", "cold")
+EPS = 1e-6
+CASTING = "llama"                  # Qwen3RMSNorm's: x * rsqrt(...) rounded to the dtype, then the weight
+ROPE_THETA = 1e6                   # Qwen3's
+MAX_POSITION = 32768
+TOLERANCE = 2e-2                   # of max |reference|: a few bfloat16 units (the peers round in other places)
+TOKENS = (1, 8, 64, 512, 4096, 16384)
+HEADS = ((32, 8, 128), (32, 4, 128))
+MODELS = {(32, 8, 128): "Qwen3-8B", (32, 4, 128): "Qwen3-30B-A3B"}
+DEFAULTS = {"tokens": list(TOKENS), "heads": list(HEADS), "dtypes": ["bfloat16"], "modes": list(MODES),
+            "repeats": 7}
+QUICK = {"tokens": [1, 4096], "repeats": 3}
+DESCRIPTIONS = {
+    "ours": "cupy_rmsnorm.qk_norm_rope on torch tensors: in place (out_q=q, out_k=k) from positions and a "
+            "cos_sin_cache; autograd through the registered op for forward + backward",
+    "ours_unfused": "cupy_rmsnorm.rms_norm on the q and k views (in place), then torch.compile of transformers' "
+                    "apply_rotary_pos_emb written back into the views",
+    "torch_compile": "transformers' Qwen3 composite (Qwen3RMSNorm's formula, apply_rotary_pos_emb) under "
+                     "torch.compile(fullgraph=True, dynamic=False), copied into the views in the compiled function",
+    "liger": "Liger-Kernel's LigerRMSNormFunction (llama casting; copies the strided views to contiguous, writes "
+             "new tensors), then LigerRopeFunction on them as (1, H, T, D), in place",
+    "flashinfer": "cupy_rmsnorm.rms_norm on the views in place, then FlashInfer's "
+                  "BatchQKApplyRotaryPosIdsCosSinCache in place (built with nvcc); forward only",
+    "copy": "a device copy of the pass's bytes (q and k read and written; fwd + bwd also the output gradients, "
+            "dq and dk): the floor",
+}
+HEADS_TEXT = ", ".join(f"{q}/{k}x{d} ({name})" for (q, k, d), name in MODELS.items())
+NOTE = ("TxHQ/HKxD: q (T, HQ, D) and k (T, HK, D) views into one packed (T, (HQ + 2*HK) * D) projection, "
+        f"each head normalized then rotated; {HEADS_TEXT}; err: max |theirs - float64 reference| / max |reference|")
+EPILOG = ("implementations:\n" + "\n".join(f"  {name:14s} {text}" for name, text in DESCRIPTIONS.items())
+          + f"\n\nneeds torch with CUDA; liger: {common.INSTALL_HINTS['liger']}; flashinfer: "
+          f"{common.INSTALL_HINTS['flashinfer']}\n\n{common.PEERS_HELP}")
+
+
+class Case(NamedTuple):
+    """One problem: ``tokens`` rows of a packed projection holding ``q_heads`` heads of q and
+    ``k_heads`` of k (and of v), each of ``head_dim`` channels."""
+    tokens: int
+    q_heads: int
+    k_heads: int
+    head_dim: int
+
+
+def case_of(record):
+    """The Case of a result record (a dict holding Case's fields)."""
+    return Case(*(record[f] for f in Case._fields))
+
+
+def heads_text(q_heads, k_heads, head_dim):
+    return f"{q_heads}/{k_heads}x{head_dim}"
+
+
+def describe(case):
+    """``4096x32/8x128``."""
+    return f"{case.tokens}x{heads_text(*case[1:])}"
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def parse_heads(text):
+    """``32/8x128`` -> (q heads, k heads, head_dim)."""
+    m = re.fullmatch(r"(\d+)/(\d+)x(\d+)", text.strip().lower())
+    if not m or min(map(int, m.groups())) < 1:
+        raise ValueError(f"bad heads {text!r}: expected QHEADS/KVHEADSxHEAD_DIM of positive integers, e.g. 32/8x128")
+    q_heads, k_heads, head_dim = map(int, m.groups())
+    if head_dim % 2:
+        raise ValueError(f"bad heads {text!r}: the rotation pairs channels, so head_dim must be even")
+    return q_heads, k_heads, head_dim
+
+
+def add_arguments(p):
+    common.add_common_options(p, dtypes="bf16", modes=(MODES, "both"),
+                              repeats="timed rounds per measurement (default: 7; --quick: 3)")
+    p.add_argument("--tokens", type=common.comma_list(common.positive_int, what="token count"), metavar="T,...",
+                   help=f"token counts (rows of the packed projection) (default: {','.join(map(str, TOKENS))}; "
+                        f"--quick: {','.join(map(str, QUICK['tokens']))})")
+    p.add_argument("--heads", type=common.comma_list(parse_heads, what="heads"), metavar="HQ/HKxD,...",
+                   help="attention shapes as query heads / key-value heads x head_dim, a comma list "
+                        f"(default: {HEADS_TEXT})")
+    p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
+                   help="passes: fwd (in place), fwdbwd (forward + backward through autograd) (default: both)")
+    p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
+                   help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
+                        "'ours' always runs)")
+    p.add_argument("--flashinfer", metavar="PATH",
+                   help="FlashInfer's rope: a built libfirope.so, a folder of extracted headers (python -m "
+                        "cupy_rmsnorm.bench.flashinfer WHEEL), a flashinfer_python wheel, or 'none' (default: the "
+                        "installed flashinfer-python's headers, built with nvcc)")
+    p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
+    p.add_argument("--budget-s", type=float, default=480.0, help="start no new case past this many seconds")
+
+
+def finish_args(args, parser):
+    common.resolve_defaults(args, DEFAULTS, QUICK)
+
+
+def requirements_missing(args):
+    return common.torch_missing()
+
+
+def cases(args):
+    """The cases of a command line: per attention shape, the token counts in order."""
+    return [Case(t, *heads) for heads in args.heads for t in args.tokens]
+
+
+def moved_bytes(op, case, itemsize):
+    """Bytes ``op`` must move at least (angles and weights left out): ``ARRAYS_MOVED`` arrays of
+    q's and k's size."""
+    return ARRAYS_MOVED[op] * case.tokens * (case.q_heads + case.k_heads) * case.head_dim * itemsize
+
+
+def unsupported(impl, op, dtype_name):
+    """Why ``impl`` cannot run pass ``op`` in ``dtype_name``, or None."""
+    if impl == "flashinfer" and op != "fwd":
+        return "FlashInfer's rope has no backward"
+    if impl == "flashinfer" and dtype_name not in ("bfloat16", "float16"):
+        return "the FlashInfer wrapper is built for bfloat16 and float16"
+    return None
+
+
+def availability(names):
+    """(the implementations of ``names`` that can run, in IMPLS order; {name: why not, with how to
+    install it} for the others). FlashInfer's library is built at the start of a run (it needs the
+    GPU's architecture): ``run`` adds why not, where it cannot be."""
+    missing = {}
+    for name in names:
+        why = None
+        if name in ("ours_unfused", "torch_compile", "liger") and importlib.util.find_spec("triton") is None:
+            why = f"Triton is not installed ({common.INSTALL_HINTS['triton']})"
+        elif name == "liger":
+            why = common.module_missing("liger_kernel.ops.rope", "liger-kernel", "liger")
+        if why:
+            missing[name] = why
+    return [n for n in IMPLS if n in names and n not in missing], missing
+
+
+# -- the report ----------------------------------------------------------------------------------
+HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "ours / unfused", "max err"]
+
+
+def table_rows(results):
+    def unfused(us):
+        return common.fmt_num(us["ours"] / us["ours_unfused"] if us.get("ours") and us.get("ours_unfused") else None, 3)
+    return [[describe(case_of(r)), *common.timing_cells(r["us"], IMPLS, PEERS), unfused(r["us"]), common.worst_err(r)]
+            for r in results]
+
+
+REPORT = common.SectionedReport(heading="QK norm + RoPE", note=NOTE, headers=HEADERS, left=(0,), rows=table_rows,
+                                op_titles=OP_TITLES, modes=MODES, peers=PEERS)
+
+
+def format_report(payload):
+    return common.sectioned_text(REPORT, payload)
+
+
+def format_markdown(payload):
+    return common.sectioned_markdown(REPORT, payload)
+
+
+def csv_table(payload):
+    errs = [i for i in IMPLS if i != "copy"]
+    header = (["op", "mode", "dtype", *Case._fields, "bytes"] + [f"{i}_us" for i in IMPLS]
+              + [f"{i}_err" for i in errs])
+    rows = [[r["op"], r["mode"], r["dtype"], *(r[f] for f in Case._fields), r["bytes"],
+             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS),
+             *(None if r["err"].get(i) is None else f"{float(r['err'][i]):.3e}" for i in errs)]
+            for r in payload["results"]]
+    return header, rows
+
+
+def write_charts(payload, stem):
+    """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per case, a panel per pass."""
+    return common.section_charts(
+        REPORT, payload, stem, lambda mode, dtype: f"QK norm + RoPE, {dtype}, {mode} mode: time over a copy of the "
+        "same bytes", [i for i in IMPLS if i != "copy"], lambda r: describe(case_of(r)).replace("x", "\n", 1))
+
+
+# -- the inputs and the reference -------------------------------------------------------------------
+def head_views(packed, q_heads, k_heads, head_dim):
+    """q (T, q_heads, head_dim) and k (T, k_heads, head_dim): views into the packed projection."""
+    tokens, n = packed.shape[0], q_heads * head_dim
+    return (packed[:, :n].view(tokens, q_heads, head_dim),
+            packed[:, n:n + k_heads * head_dim].view(tokens, k_heads, head_dim))
+
+
+def cos_sin_cache(torch, head_dim, device):
+    """vLLM's table: row p holds cos(p * f) then sin(p * f) over the head_dim / 2 frequencies,
+    computed in float64, stored in float32."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    freqs = torch.arange(MAX_POSITION, dtype=torch.float64, device=device)[:, None] * inv_freq
+    return torch.cat([freqs.cos(), freqs.sin()], -1).float()
+
+
+def make_inputs(torch, case, dtype, device="cuda", seed=0):
+    """The packed projection, the two weights (around one), the angles in both conventions
+    (positions and the float32 cache; transformers' (T, D) cos and sin in ``dtype``, and in float32
+    for the reference), and the output gradients of the backward."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    t, hq, hk, d = case
+
+    def normal(*shape):
+        return torch.randn(shape, generator=gen, device=device)
+    packed = normal(t, (hq + 2 * hk) * d).to(dtype)
+    q_weight, k_weight = ((1 + 0.1 * normal(d)).to(dtype) for _ in range(2))
+    positions = torch.randint(0, MAX_POSITION, (t,), generator=gen, device=device)     # int64, as vLLM's
+    cache = cos_sin_cache(torch, d, device)
+    rows = cache[positions]
+    cos32, sin32 = (torch.cat([half, half], -1) for half in (rows[:, :d // 2], rows[:, d // 2:]))   # NeoX halves
+    return {"packed": packed, "q_weight": q_weight, "k_weight": k_weight, "positions": positions,
+            "cos_sin_cache": cache, "cos": cos32.to(dtype), "sin": sin32.to(dtype), "cos32": cos32, "sin32": sin32,
+            "dq_out": normal(t, hq, d).to(dtype), "dk_out": normal(t, hk, d).to(dtype)}
+
+
+def reference(torch, case, inputs, op):
+    """The float64 norm then rotation of the case's inputs (the float32 angles): (q_out, k_out)
+    (fwd) or their gradients (dq, dk, dq_weight, dk_weight) (fwdbwd)."""
+    cos, sin = inputs["cos32"].double()[:, None], inputs["sin32"].double()[:, None]
+    rotate_half = hf_functions().rotate_half
+    leaves = [t.double().requires_grad_(op != "fwd")
+              for t in (*head_views(inputs["packed"], *case[1:]), inputs["q_weight"], inputs["k_weight"])]
+
+    def one(x, w):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+        return y * cos + rotate_half(y) * sin
+    with torch.enable_grad():
+        q_out, k_out = one(leaves[0], leaves[2]), one(leaves[1], leaves[3])
+        if op == "fwd":
+            return q_out.detach(), k_out.detach()
+        return torch.autograd.grad((q_out, k_out), leaves, (inputs["dq_out"].double(), inputs["dk_out"].double()))
+
+
+# -- the implementations ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def hf_functions():
+    """transformers' Qwen3 functions as written there (Qwen3RMSNorm.forward, rotate_half,
+    apply_rotary_pos_emb), on q and k of (T, H, D) with cos and sin of (T, D) (unsqueeze_dim=1
+    broadcasts them over the heads), and the composites the peers compile."""
+    import torch
+
+    def rms_norm(x, weight, eps=EPS):
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + eps)
+        return weight * h.to(input_dtype)
+
+    def rotate_half(x):
+        x1 = x[..., : x.shape[-1] // 2]
+        x2 = x[..., x.shape[-1] // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        cos = cos.unsqueeze(unsqueeze_dim)
+        sin = sin.unsqueeze(unsqueeze_dim)
+        return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+    def norm_rope(q, k, q_weight, k_weight, cos, sin):
+        return apply_rotary_pos_emb(rms_norm(q, q_weight), rms_norm(k, k_weight), cos, sin)
+
+    def norm_rope_in_place(packed, q_weight, k_weight, cos, sin, q_heads, k_heads, head_dim):
+        q, k = head_views(packed, q_heads, k_heads, head_dim)
+        q_out, k_out = norm_rope(q, k, q_weight, k_weight, cos, sin)
+        q.copy_(q_out)
+        k.copy_(k_out)
+
+    def rope_in_place(packed, cos, sin, q_heads, k_heads, head_dim):
+        q, k = head_views(packed, q_heads, k_heads, head_dim)
+        q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
+        q.copy_(q_out)
+        k.copy_(k_out)
+    return types.SimpleNamespace(rms_norm=rms_norm, rotate_half=rotate_half,
+                                 apply_rotary_pos_emb=apply_rotary_pos_emb, norm_rope=norm_rope,
+                                 norm_rope_in_place=norm_rope_in_place, rope_in_place=rope_in_place)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name):
+    """``hf_functions()``'s ``name`` under torch.compile(fullgraph=True, dynamic=False)."""
+    import torch
+    peers.lift_recompile_limits()     # one graph per shape, dtype and pass
+    return torch.compile(getattr(hf_functions(), name), fullgraph=True, dynamic=False)
+
+
+# Each implementation's forward: (torch, case, inputs, packed: its own copy of the projection, the
+# FlashInfer library) -> a call returning (q_out, k_out) of (T, H, D); and where it has one, its
+# differentiable form: (torch, inputs) -> forward(q, k, q_weight, k_weight) -> (q_out, k_out).
+def ours_forward(torch, case, inputs, packed, lib):
+    import cupy_rmsnorm as rn
+    import cupy_rmsnorm.torch  # noqa: F401 - the registered ops (and their autograd)
+    q, k = head_views(packed, *case[1:])
+    weights, angles = (inputs["q_weight"], inputs["k_weight"]), {n: inputs[n] for n in ("positions", "cos_sin_cache")}
+    return lambda: rn.qk_norm_rope(q, k, *weights, EPS, casting_mode=CASTING, out_q=q, out_k=k, **angles)
+
+
+def ours_differentiable(torch, inputs):
+    import cupy_rmsnorm as rn
+    import cupy_rmsnorm.torch  # noqa: F401
+    angles = {n: inputs[n] for n in ("positions", "cos_sin_cache")}
+    return lambda q, k, qw, kw: rn.qk_norm_rope(q, k, qw, kw, EPS, casting_mode=CASTING, **angles)
+
+
+def ours_unfused_forward(torch, case, inputs, packed, lib):
+    import cupy_rmsnorm as rn
+    q, k = head_views(packed, *case[1:])
+    qw, kw, cos, sin = (inputs[n] for n in ("q_weight", "k_weight", "cos", "sin"))
+    rope = compiled("rope_in_place")
+
+    def call():
+        rn.rms_norm(q, qw, EPS, out=q, casting_mode=CASTING)
+        rn.rms_norm(k, kw, EPS, out=k, casting_mode=CASTING)
+        rope(packed, cos, sin, *case[1:])
+        return q, k
+    return call
+
+
+def ours_unfused_differentiable(torch, inputs):
+    import cupy_rmsnorm as rn
+    import cupy_rmsnorm.torch  # noqa: F401
+    rope, cos, sin = compiled("apply_rotary_pos_emb"), inputs["cos"], inputs["sin"]
+    return lambda q, k, qw, kw: rope(rn.rms_norm(q, qw, EPS, casting_mode=CASTING),
+                                     rn.rms_norm(k, kw, EPS, casting_mode=CASTING), cos, sin)
+
+
+def torch_compile_forward(torch, case, inputs, packed, lib):
+    q, k = head_views(packed, *case[1:])
+    args = [inputs[n] for n in ("q_weight", "k_weight", "cos", "sin")] + list(case[1:])
+    norm_rope = compiled("norm_rope_in_place")
+
+    def call():
+        norm_rope(packed, *args)
+        return q, k
+    return call
+
+
+def torch_compile_differentiable(torch, inputs):
+    norm_rope, cos, sin = compiled("norm_rope"), inputs["cos"], inputs["sin"]
+    return lambda q, k, qw, kw: norm_rope(q, k, qw, kw, cos, sin)
+
+
+def liger_differentiable(torch, inputs):
+    """Liger's norm on each view (it copies a strided input to contiguous and writes a new tensor), then
+    its rope on both as (1, H, T, D): it turns them back to (1, T, H, D), contiguous, and rotates them
+    in place. The outputs are returned as (T, H, D) views of those tensors."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    cos, sin = inputs["cos"], inputs["sin"]
+
+    def forward(q, k, qw, kw):
+        # (X, W, eps, offset, casting_mode, in_place: the backward writes dX over dY, as LigerRMSNorm's default)
+        yq = LigerRMSNormFunction.apply(q, qw, EPS, 0.0, "llama", True)
+        yk = LigerRMSNormFunction.apply(k, kw, EPS, 0.0, "llama", True)
+        q_out, k_out = LigerRopeFunction.apply(yq.unsqueeze(0).transpose(1, 2), yk.unsqueeze(0).transpose(1, 2),
+                                               cos, sin)
+        return q_out.transpose(1, 2)[0], k_out.transpose(1, 2)[0]
+    return forward
+
+
+def liger_forward(torch, case, inputs, packed, lib):
+    forward = liger_differentiable(torch, inputs)
+    q, k = head_views(packed, *case[1:])
+    qw, kw = inputs["q_weight"], inputs["k_weight"]
+
+    def call():
+        with torch.no_grad():
+            return forward(q, k, qw, kw)
+    return call
+
+
+def flashinfer_forward(torch, case, inputs, packed, lib):
+    import cupy_rmsnorm as rn
+    if lib is None:
+        raise RuntimeError("no FlashInfer library")
+    tokens, q_heads, k_heads, head_dim = case
+    q, k = head_views(packed, q_heads, k_heads, head_dim)
+    qw, kw = inputs["q_weight"], inputs["k_weight"]
+    positions, cache = inputs["positions"], inputs["cos_sin_cache"]
+    # pointers, sizes and strides in elements: FlashInfer's apply_rope_with_cos_sin_cache_inplace's call
+    fixed = (q.data_ptr(), k.data_ptr(), cache.data_ptr(), positions.data_ptr(), tokens, q_heads, k_heads,
+             cache.shape[1], head_dim, *q.stride()[:2], *k.stride()[:2], 1, int(q.dtype == torch.bfloat16))
+
+    def call():
+        rn.rms_norm(q, qw, EPS, out=q, casting_mode=CASTING)
+        rn.rms_norm(k, kw, EPS, out=k, casting_mode=CASTING)
+        status = lib.fi_rope_pos_ids_cos_sin_cache(*fixed, torch.cuda.current_stream().cuda_stream)
+        if status:
+            detail = lib.fi_rope_last_error().decode() if status == -1 else f"CUDA error {status}"
+            raise RuntimeError(f"FlashInfer's rope failed: {detail}")
+        return q, k
+    return call
+
+
+FORWARDS = {"ours": ours_forward, "ours_unfused": ours_unfused_forward, "torch_compile": torch_compile_forward,
+            "liger": liger_forward, "flashinfer": flashinfer_forward}
+DIFFERENTIABLE = {"ours": ours_differentiable, "ours_unfused": ours_unfused_differentiable,
+                  "torch_compile": torch_compile_differentiable, "liger": liger_differentiable}
+
+
+def build(torch, impl, op, case, inputs, lib=None):
+    """One call of ``impl``'s pass ``op`` on ``case``'s inputs as a zero-argument callable, returning
+    (q_out, k_out) (fwd) or (dq, dk, dq_weight, dk_weight) (fwdbwd). The forward works on a copy of
+    the packed projection of its own (the inputs stay as made, for the others and the reference)."""
+    if impl == "copy":
+        return common.device_copy(torch, moved_bytes(op, case, inputs["packed"].element_size()))
+    if op == "fwd":
+        return FORWARDS[impl](torch, case, inputs, inputs["packed"].clone(), lib)
+    forward = DIFFERENTIABLE[impl](torch, inputs)
+    # leaves with the packed views' strides; weights of the implementation's own; gradients too
+    leaves = ([t.detach().requires_grad_(True) for t in head_views(inputs["packed"], *case[1:])]
+              + [inputs[n].detach().clone().requires_grad_(True) for n in ("q_weight", "k_weight")])
+    grads = (inputs["dq_out"].clone(), inputs["dk_out"].clone())
+    return lambda: torch.autograd.grad(forward(*leaves), leaves, grads)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def run(args):
+    import torch
+
+    from . import flashinfer, timing
+    started = time.perf_counter()
+    device = common.gpu_device()
+    impls, missing = availability(["ours"] + list(args.peers))
+    lib = None
+    if "flashinfer" in impls:
+        common.log(f"qk_rope on {device['gpu']}: preparing FlashInfer's rope ...")
+        lib, why = flashinfer.library(args.flashinfer, device["compute_capability"].replace(".", ""), flashinfer.ROPE)
+        if lib is None:
+            impls.remove("flashinfer")
+            missing["flashinfer"] = why
+    runner = timing.TorchRunner()
+    scratch = timing.Scratch() if "cold" in args.modes else None
+    bandwidth, _ = timing.copy_bandwidth_gbps()
+    todo = cases(args)
+    payload = {"meta": common.run_metadata("qk_rope", device, copy_GBps=bandwidth, dtypes=args.dtypes, ops=args.ops,
+                                           modes=args.modes, repeats=args.repeats, target_us=args.target_us,
+                                           tolerance=TOLERANCE, casting_mode=CASTING, rope_theta=ROPE_THETA,
+                                           max_position=MAX_POSITION, cases=[c._asdict() for c in todo],
+                                           flashinfer=args.flashinfer or "installed flashinfer-python",
+                                           implementations={n: DESCRIPTIONS[n] for n in impls}),
+               "results": [], "errors": [], "skipped": dict(missing)}
+    common.log(f"qk_rope on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; {len(todo)} cases x "
+               f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
+               + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
+    counts = {}
+    interrupted = False
+    try:
+        for case in todo:
+            if time.perf_counter() - started > args.budget_s:
+                payload["skipped"][describe(case)] = f"the time budget ({args.budget_s:.0f} s)"
+                continue
+            for dtype in args.dtypes:
+                _measure_case(torch, timing, args, payload, case, dtype, impls, runner, scratch, bandwidth, lib, counts)
+            torch.cuda.empty_cache()
+            common.save_partial(args, payload)
+    except KeyboardInterrupt:
+        interrupted = True
+        common.log("interrupted: saving what was measured")
+    payload["meta"]["seconds"] = time.perf_counter() - started
+    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
+
+
+def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runner, scratch, bandwidth, lib, counts):
+    """Every pass, implementation and mode of one case and dtype: each implementation built and its
+    first call checked against the float64 reference once per pass, then timed in each mode."""
+    inputs = make_inputs(torch, case, getattr(torch, dtype_name), "cuda", seed=case.tokens * 7 + case.k_heads)
+    torch.cuda.synchronize()            # ready before the runner's stream reads them
+    where = f"{dtype_name} {describe(case)}"
+    for op in args.ops:
+        nbytes = moved_bytes(op, case, inputs["packed"].element_size())
+        try:
+            want = reference(torch, case, inputs, op)
+        except Exception as e:  # noqa: BLE001 - nothing to check against (out of memory): the next pass
+            common.record_error(payload, f"reference {op} {where}", e)
+            continue
+        rows = {mode: {**case._asdict(), "op": op, "mode": mode, "dtype": dtype_name, "bytes": nbytes,
+                       "us": dict.fromkeys(impls), "err": {}} for mode in args.modes}
+        for impl in impls:
+            reason = unsupported(impl, op, dtype_name)
+            if reason:
+                key = f"{impl} ({reason})"
+                counts[key] = counts.get(key, 0) + 1
+                payload["skipped"][key] = f"{counts[key]} cases"
+                continue
+            try:
+                with runner.context():
+                    fn = build(torch, impl, op, case, inputs, lib)
+                    result = fn()       # the first call, on the inputs as made: what is checked
+                runner.synchronize()
+                if impl != "copy":
+                    err = common.disagreement(result, want)
+                    for row in rows.values():
+                        row["err"][impl] = err
+                    if not err <= TOLERANCE:
+                        common.record_error(payload, f"{impl} {op} {where}", f"max |{impl} - reference| / max "
+                                            f"|reference| = {err:.2e}, past the tolerance {TOLERANCE}: not timed")
+                        continue
+                del result
+                calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
+            except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
+                common.record_error(payload, f"{impl} {op} {where}", e)
+                continue
+            for mode in args.modes:
+                try:
+                    rows[mode]["us"][impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
+                except Exception as e:  # noqa: BLE001
+                    common.record_error(payload, f"{impl} {op} {mode} {where}", e)
+            del fn
+        del want
+        for row in rows.values():
+            payload["results"].append(row)
+            common.log("  " + "  ".join(map(str, [op, row["mode"], dtype_name, *table_rows([row])[0]])))
