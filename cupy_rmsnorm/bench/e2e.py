@@ -143,6 +143,9 @@ def add_arguments(p):
                    help="sequences of --agree-tokens each in that forward (default: 4)")
     p.add_argument("--step-modes", type=common.comma_list(str.lower, serving.STEP_MODES, "step mode"),
                    help="forms of the timed decode step: eager, compiled (default: both; --quick: eager)")
+    p.add_argument("--compile-variants", type=common.comma_list(str.lower, VARIANTS, "variant"),
+                   help="the variants whose compiled decode step is timed (each is a compile of the whole "
+                        "model per batch; default: all)")
     p.add_argument("--step-batches", type=common.comma_list(common.positive_int, what="batch"),
                    help="sequences per decode step (default: 1,64; --quick: 1)")
     p.add_argument("--context", type=positive, default=512,
@@ -816,11 +819,12 @@ def run(args):
 
     device = common.gpu_device() if args.device == "cuda" else {"gpu": "cpu"}
     meta = common.run_metadata(
-        "e2e", device, torch_device=args.device, model=args.model, config=model_config(args), dtype=args.dtype, batch=args.batch,
-        prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats, agree_tokens=args.agree_tokens,
-        agree_batch=args.agree_batch, modes=args.modes, variants={v: VARIANT_TITLES[v] for v in args.variants},
-        step_modes=args.step_modes, step_batches=args.step_batches, context=args.context, prefill=args.prefill,
-        replays=args.replays,
+        "e2e", device, torch_device=args.device, model=args.model, config=model_config(args), dtype=args.dtype,
+        batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats,
+        agree_tokens=args.agree_tokens, agree_batch=args.agree_batch, modes=args.modes,
+        variants={v: VARIANT_TITLES[v] for v in args.variants}, step_modes=args.step_modes,
+        compile_variants=args.compile_variants, step_batches=args.step_batches, context=args.context,
+        prefill=args.prefill, replays=args.replays,
         mode_titles={m: MODE_TITLES[m] for m in args.modes}, fullgraph=not args.no_fullgraph,
         norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s)
     payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}, "graph_breaks": {},
@@ -949,6 +953,9 @@ def measure_serving(args, payload, models, elapsed, deadline):
         for name, model in models.items():
             key = (measure, mode, batch, name)
             where = " ".join(map(str, key))
+            if mode == "compiled" and args.compile_variants is not None and name not in args.compile_variants:
+                payload["skipped"][f"serving {where}"] = "not in --compile-variants"
+                continue
             if mode == "compiled" and args.device != "cuda":
                 payload["skipped"][f"serving {where}"] = "compiled steps run on CUDA only"
                 continue

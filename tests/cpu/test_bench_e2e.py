@@ -347,6 +347,13 @@ def test_ours_qk_passes_fuse_qk_rope_and_needs_qwen3(monkeypatch):
     assert replaced == 5 and seen == [{"fuse_qk_rope": True}]
 
 
+def test_compile_variants_pick_the_compiled_steps():
+    assert parse_args([]).compile_variants is None
+    assert parse_args(["--compile-variants", "hf,ours_fused"]).compile_variants == ["hf", "ours_fused"]
+    with pytest.raises(SystemExit):
+        parse_args(["--compile-variants", "vllm"])
+
+
 def test_qwen3_defaults():
     args = parse_args(["--model", "qwen3"])
     assert args.variants == ["hf", "ours", "ours_fused", "ours_qk", "liger"] and args.intermediate == 12288
