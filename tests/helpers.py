@@ -169,6 +169,28 @@ def tiny_qwen3(layers=2, hidden=128, vocab=1000, heads=4, kv_heads=2, head_dim=6
     return model
 
 
+def cpu_tensor_to_numpy(t):
+    """A CPU torch tensor's values as a NumPy array (bfloat16 as ml_dtypes'), None as None."""
+    import torch
+    if t is None:
+        return None
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def numpy_to_cpu_tensor(a):
+    """The inverse of cpu_tensor_to_numpy."""
+    import torch
+    if a is None:
+        return None
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 @contextlib.contextmanager
 def cpu_kernels_of_the_ops(kernels):
     """``kernels`` ({registered op's name: function}) run as the CPU implementations of the

@@ -4,10 +4,8 @@ setup_context, the backward ops and their fake implementations, the routing of e
 that need autograd, the modules, torch.compile of forward + backward (one backward op in the
 backward graph), and torch.library.opcheck. Skips where torch is missing."""
 
-import ml_dtypes
-import numpy as np
 import pytest
-from helpers import cpu_kernels_of_the_ops
+from helpers import cpu_kernels_of_the_ops, cpu_tensor_to_numpy as to_numpy, numpy_to_cpu_tensor as to_torch
 
 torch = pytest.importorskip("torch", reason="torch autograd tests: torch is not installed")
 
@@ -23,24 +21,6 @@ SCHEMAS = {
                                    "Tensor residual_out, Tensor? weight, float eps, float weight_offset, "
                                    "str casting_mode, bool weight_grad) -> (Tensor, Tensor)",
 }
-
-
-def to_numpy(t):
-    if t is None:
-        return None
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def to_torch(a):
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    if a.dtype == np.dtype(ml_dtypes.bfloat16):
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 CALLS = []      # which CPU kernels ran

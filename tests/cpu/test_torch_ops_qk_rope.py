@@ -9,10 +9,10 @@ swapped here as it swaps them). The GPU side is tests/gpu/test_torch_qk_rope_gpu
 import importlib.util
 import warnings
 
-import ml_dtypes
-import numpy as np
 import pytest
 from helpers import cpu_kernels_of_the_ops, op_calls, tiny_qwen3, trace_graphs
+from helpers import cpu_tensor_to_numpy as to_numpy
+from helpers import numpy_to_cpu_tensor as to_torch
 
 torch = pytest.importorskip("torch", reason="torch op tests: torch is not installed")
 
@@ -76,24 +76,6 @@ if importlib.util.find_spec("transformers") is not None:
             attn_output = self.o_proj(attn_output)
             return attn_output, attn_weights
 T, HQ, HK, D = 5, 4, 2, 32
-
-
-def to_numpy(t):
-    if t is None:
-        return None
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def to_torch(a):
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    if a.dtype == np.dtype(ml_dtypes.bfloat16):
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 CALLS = []      # which CPU kernels ran
