@@ -55,14 +55,22 @@ def host(a):
     return cp.asnumpy(a)
 
 
-def close(got, want, dtype_name):
+def mismatch(got, want, dtype_name):
+    """'' if ``got`` (device) matches ``want`` (host) within the dtype's tolerance, else what differs."""
     g = host(got).astype(np.float64)
     w = np.asarray(want).astype(np.float64)
+    if g.shape != w.shape:
+        return f"shape {g.shape} != {w.shape}"
+    if not np.array_equal(np.isnan(g), np.isnan(w)):
+        return f"NaN at {np.argwhere(np.isnan(g) != np.isnan(w))[:4].tolist()}"
     finite = np.isfinite(w)
-    if g.shape != w.shape or not np.array_equal(np.isnan(g), np.isnan(w)):
-        return False
     tol = RTOL[dtype_name] * (np.abs(w) + 0.25 * max(np.abs(w[finite]).max(initial=0.0), 1e-30))
-    return bool(np.all(np.abs(g[finite] - w[finite]) <= tol[finite]))
+    excess = np.where(finite, np.abs(g - w) - tol, -np.inf)
+    if np.all(excess <= 0):
+        return ""
+    worst = np.unravel_index(np.argmax(excess), w.shape)
+    return (f"{int(np.sum(excess > 0))} of {w.size} off, worst at {tuple(int(i) for i in worst)}: "
+            f"{g[worst]!r} vs {w[worst]!r} (tolerance {tol[worst]:.3g})")
 
 
 def heads_view(buf, start, heads, head_dim):
@@ -72,7 +80,7 @@ def heads_view(buf, start, heads, head_dim):
 
 
 def case(rng, dtype_name, head, layout, counts, convention, weight, table, mode, int64_positions):
-    """One forward and one backward call; True if both are right."""
+    """One forward and one backward call; what was wrong (nothing: an empty list)."""
     head_dim, rotary_dim, is_neox = head
     dt = DTYPES[dtype_name]
     hq, hk = counts
@@ -112,14 +120,19 @@ def case(rng, dtype_name, head, layout, counts, convention, weight, table, mode,
     dk_host = rng.standard_normal(k_host.shape).astype(np.float32).astype(dt)
     grads = rn.qk_norm_rope_backward(device_copy(dq_host), device_copy(dk_host), q, k, qw, kw, **angles, **kwargs)
     q_out, k_out = rn.qk_norm_rope(q, k, qw, kw, **angles, **kwargs, **out)
-    ok = close(q_out, want_q, dtype_name) and close(k_out, want_k, dtype_name)
     # (the reference function, not the public NumPy path: NaN where a position is outside the cache)
     want = rn.qk_norm_rope_backward_reference(dq_host, dk_host, q_host, k_host, qw_host, kw_host, 1e-6, 0.0, mode,
                                               rotary_dim=rotary_dim, is_neox=is_neox, **angles_host)
-    ok &= close(grads[0], want[0], dtype_name) and close(grads[1], want[1], dtype_name)
+    checks = [("q_out", q_out, want_q, dtype_name), ("k_out", k_out, want_k, dtype_name),
+              ("dq", grads[0], want[0], dtype_name), ("dk", grads[1], want[1], dtype_name)]
     if qw is not None:
-        ok &= close(grads[2], want[2], np.dtype(wdt).name) and close(grads[3], want[3], np.dtype(wdt).name)
-    return ok
+        # llama mode rounds xhat to q's dtype before its product with dy, and an inv_rms one float32
+        # ulp away (another summation order) can move that rounding by an ulp of q's dtype: weight
+        # sums are held to q's dtype's tolerance there (1 of 128 sums was 2e-4 off in float32 terms)
+        wtol = dtype_name if mode == "llama" else np.dtype(wdt).name
+        checks += [("dq_weight", grads[2], want[2], wtol), ("dk_weight", grads[3], want[3], wtol)]
+    found = ((name, mismatch(got, w, d)) for name, got, w, d in checks)
+    return [f"{name}: {what}" for name, what in found if what]
 
 
 def pairing(plan):
@@ -143,12 +156,14 @@ def main():
                 for j, layout in enumerate(LAYOUTS):
                     n = i + j
                     calls += 1
-                    ok = case(rng, dtype_name, head, layout, HEAD_COUNTS[n % 3], ("cache", "cos_sin")[n % 2],
-                              ("x", "float32", None)[n % 3], ("x", "float32")[(n // 2) % 2], ("fp32", "llama")[n % 2],
-                              (n // 3) % 2 == 0)
-                    if not ok:
-                        print(f"WRONG {dtype_name} head={head} {layout} heads={HEAD_COUNTS[n % 3]}", flush=True)
-                    wrong += not ok
+                    setting = dict(counts=HEAD_COUNTS[n % 3], convention=("cache", "cos_sin")[n % 2],
+                                   weight=("x", "float32", None)[n % 3], table=("x", "float32")[(n // 2) % 2],
+                                   mode=("fp32", "llama")[n % 2], int64_positions=(n // 3) % 2 == 0)
+                    wrong_arrays = case(rng, dtype_name, head, layout, **setting)
+                    if wrong_arrays:
+                        print(f"WRONG {dtype_name} head={head} {layout} {setting}: " + "; ".join(wrong_arrays),
+                              flush=True)
+                    wrong += bool(wrong_arrays)
     finally:
         device.sm_count = sm_count
     cp.cuda.Device().synchronize()

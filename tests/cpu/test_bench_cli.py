@@ -12,15 +12,18 @@ from helpers import ROOT, child_env
 
 from cupy_rmsnorm.bench import cli, common, peers, timing
 
-COMMANDS = ("forward", "backward", "quant", "e2e", "train", "gated")
+COMMANDS = ("forward", "backward", "quant", "e2e", "train", "gated", "qk_rope")
 RESULTS = os.path.join(ROOT, common.COMMITTED_RESULTS)
-# what each committed report's console text must show (a table's content, not just a title)
+# the committed reports (the sub-command's name; e2e_qwen3: e2e --model qwen3) and what each one's
+# console text must show (a table's content, not just a title)
 REPORT_TEXT = {"forward": ("rms_norm, bfloat16, graph", "16384x8192", "fused_add_rms_norm, float16, cold"),
                "backward": ("forward+backward", "16384x8192", "liger"),
                "quant": ("fused per_group", "flashinfer", "geomean ours / best peer"),
                "e2e": ("ours_fused", "compiled", "agreement floor"),
                "train": ("max |loss difference|", "9 norms replaced", "99"),
-               "gated": ("16384x32x128", "fla_grouped", "forward + backward, graph")}
+               "gated": ("16384x32x128", "fla_grouped", "forward + backward, graph"),
+               "qk_rope": ("16384x32/4x128", "flashinfer", "forward + backward, cold mode"),
+               "e2e_qwen3": ("Qwen3", "ours_qk", "agreement floor")}
 
 
 def options_of(command):
@@ -187,34 +190,43 @@ def test_format_header():
 
 
 # -- the committed reports ------------------------------------------------------------------------
+def report_of(name):
+    """The committed report a results file belongs to: its name up to the first dot, less a
+    chart's suffix (forward_graph_bfloat16.png is forward's)."""
+    stem = name.split(".")[0]
+    return max((r for r in REPORT_TEXT if stem == r or stem.startswith(r + "_")), key=len, default=None)
+
+
 def test_results_hold_the_current_reports_only():
     names = sorted(os.listdir(RESULTS))
-    stems = {n.split(".")[0].split("_")[0] for n in names}
-    assert stems == set(COMMANDS), names
-    assert all(f"{c}.json" in names and f"{c}.md" in names and f"{c}.csv" in names for c in COMMANDS)
+    assert {report_of(n) for n in names} == set(REPORT_TEXT), names
+    assert all(f"{r}.{ext}" in names for r in REPORT_TEXT for ext in ("json", "md", "csv"))
+    assert set(COMMANDS) <= set(REPORT_TEXT)
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_each_committed_report_records_its_commit_or_says_why_not(command):
-    meta = common.load_json(os.path.join(RESULTS, f"{command}.json"))["meta"]
-    assert meta["command"] == command and meta["device"]["gpu"] == "NVIDIA H200"
+@pytest.mark.parametrize("report", REPORT_TEXT)
+def test_each_committed_report_records_its_commit_or_says_why_not(report):
+    meta = common.load_json(os.path.join(RESULTS, f"{report}.json"))["meta"]
+    assert report == meta["command"] or report.startswith(meta["command"] + "_"), report
+    assert meta["device"]["gpu"] == "NVIDIA H200"
     if meta["commit"] is None:
         assert "predates commit recording" in meta["note"]
     else:
         assert len(meta["commit"]) == 40 and isinstance(meta["dirty"], bool)
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_replot_of_each_committed_report(command, tmp_path, capsys):
+@pytest.mark.parametrize("report", REPORT_TEXT)
+def test_replot_of_each_committed_report(report, tmp_path, capsys):
     """--replot prints the report's tables and writes its Markdown and CSV, the very files
     committed beside the JSON; it never writes the JSON."""
-    path = os.path.join(RESULTS, f"{command}.json")
+    path = os.path.join(RESULTS, f"{report}.json")
+    command = common.load_json(path)["meta"]["command"]
     assert cli.main([command, "--replot", path, "--out", str(tmp_path), "--name", "re"]
                     + (["--no-chart"] if command != "e2e" else [])) == 0
     out = capsys.readouterr().out
-    assert all(text in out for text in REPORT_TEXT[command]), out[:2000]
+    assert all(text in out for text in REPORT_TEXT[report]), out[:2000]
     for ext in ("md", "csv"):
-        with open(os.path.join(RESULTS, f"{command}.{ext}"), encoding="utf-8") as f:
+        with open(os.path.join(RESULTS, f"{report}.{ext}"), encoding="utf-8") as f:
             assert (tmp_path / f"re.{ext}").read_text(encoding="utf-8") == f.read(), ext
     assert not (tmp_path / "re.json").exists()
 
