@@ -450,6 +450,18 @@ def sectioned_markdown(spec, payload):
     return "\n".join(lines + [f"- {n}" for n in notes(payload)]) + "\n"
 
 
+def sectioned_csv(payload, fields, impls):
+    """The CSV of a sectioned report: a row per result (op, mode, dtype, the case's ``fields``,
+    bytes), each implementation's time and each one's error but the copy's."""
+    errs = [i for i in impls if i != "copy"]
+    header = ["op", "mode", "dtype", *fields, "bytes"] + [f"{i}_us" for i in impls] + [f"{i}_err" for i in errs]
+    rows = [[r["op"], r["mode"], r["dtype"], *(r[f] for f in fields), r["bytes"],
+             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in impls),
+             *(None if r["err"].get(i) is None else f"{float(r['err'][i]):.3e}" for i in errs)]
+            for r in payload["results"]]
+    return header, rows
+
+
 # -- files --------------------------------------------------------------------------------------------
 def _json_safe(obj):
     """NaN and infinities as strings (JSON has none); everything else as is."""

@@ -221,14 +221,7 @@ def format_markdown(payload):
 
 
 def csv_table(payload):
-    errs = [i for i in IMPLS if i != "copy"]
-    header = (["op", "mode", "dtype", *Case._fields, "bytes"] + [f"{i}_us" for i in IMPLS]
-              + [f"{i}_err" for i in errs])
-    rows = [[r["op"], r["mode"], r["dtype"], *(r[f] for f in Case._fields), r["bytes"],
-             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS),
-             *(None if r["err"].get(i) is None else f"{float(r['err'][i]):.3e}" for i in errs)]
-            for r in payload["results"]]
-    return header, rows
+    return common.sectioned_csv(payload, Case._fields, IMPLS)
 
 
 def write_charts(payload, stem):
