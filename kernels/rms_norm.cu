@@ -108,9 +108,13 @@ __device__ __forceinline__ void norm_row(const T* x, const R* res, O* y, R* res_
 
     float total, head_v = 0.f;                   // the row's sum of squares; this thread's head element
     VecS keep[VECS_PER_THREAD > 0 ? VECS_PER_THREAD : 1];   // the row's body, kept for the second pass
-    // Short rows: the weights are fetched with the row, not after the reduction, so their
-    // latency is off the critical path (only where registers allow).
-    constexpr bool PREFETCH_W = VECS_PER_THREAD == 1;
+    // The weights are fetched with the row, not after the reduction, so their latency is off
+    // the critical path: at one vector a thread, and in the plain forms on the vector grid up
+    // to 64 bytes of them (4 bf16 vectors). Not past one vector with edges (where the weights
+    // are mostly not vector-aligned and the registers cost more than they save) nor in the
+    // quantized forms (held to fewer registers: quant_min_blocks_of_256).
+    constexpr bool PREFETCH_W = VECS_PER_THREAD == 1 ||
+        (FORM == kPlain && !EDGES && VECS_PER_THREAD > 0 && VECS_PER_THREAD * sizeof(Pack<W, VEC>) <= 64);
     Pack<W, VEC> wk[PREFETCH_W ? VECS_PER_THREAD : 1];
     const bool prefetch_w = PREFETCH_W && w_vec;
     // the body's start in each array; the head and tail are addressed from it (fewer live pointers)
