@@ -30,8 +30,8 @@ PHASES = ("backward", "forward+backward")
 MODES = ("graph", "cold")
 EPS = 1e-6
 BYTES_PER_ELEMENT_MOVED = {"backward": 3, "forward+backward": 5}   # x-sized arrays read + written
-SHAPES = ((1, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (4096, 8192), (16384, 8192), (4096, 512),
-          (4096, 2048), (4096, 4095))
+SHAPES = ((1, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (1024, 8192), (4096, 8192), (16384, 8192),
+          (4096, 512), (4096, 2048), (4096, 4095))
 DEFAULTS = {"shapes": list(SHAPES), "dtypes": ["bfloat16", "float16"], "modes": list(MODES), "repeats": 7}
 QUICK = {"shapes": [(1, 4096), (4096, 4096), (4096, 4095)], "dtypes": ["bfloat16"], "repeats": 3}
 EPILOG = f"needs torch with CUDA; liger: {common.INSTALL_HINTS['liger']}\n\n{common.PEERS_HELP}"
