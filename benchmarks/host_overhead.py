@@ -2,7 +2,7 @@
 
 Decode normalizes one row per sequence, and its kernels take a few microseconds, so
 what each call costs the CPU decides the step time. Each case makes CALLS back-to-back
-calls on a 1 x 4096 bfloat16 row after a warm-up:
+calls on a 1 x 4096 row (bfloat16 unless --dtype says float16) after a warm-up:
 
 - host:  the time to issue the calls, per call (time.perf_counter around the loop);
 - total: the same plus the final device synchronize, per call: when the GPU is the
@@ -65,15 +65,15 @@ def launch_floor(call):
     return functools.partial(raw, *seen[-1])
 
 
-def cupy_cases(rows, hidden):
+def cupy_cases(rows, hidden, dtype):
     import cupy
     import ml_dtypes
 
     rng = np.random.default_rng(0)
-    bf16 = ml_dtypes.bfloat16
-    x = cupy.asarray(rng.standard_normal((rows, hidden)).astype(bf16))
-    r = cupy.asarray(rng.standard_normal((rows, hidden)).astype(bf16))
-    w = cupy.asarray((1 + 0.1 * rng.standard_normal(hidden)).astype(bf16))
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    x = cupy.asarray(rng.standard_normal((rows, hidden)).astype(dt))
+    r = cupy.asarray(rng.standard_normal((rows, hidden)).astype(dt))
+    w = cupy.asarray((1 + 0.1 * rng.standard_normal(hidden)).astype(dt))
     out, res_out = cupy.empty_like(x), cupy.empty_like(x)
     cases = {
         "cupy_rmsnorm rms_norm, CuPy": functools.partial(rn.rms_norm, x, w),
@@ -89,14 +89,15 @@ def cupy_cases(rows, hidden):
     return cases
 
 
-def torch_cases(rows, hidden):
+def torch_cases(rows, hidden, dtype):
     import torch
     import torch.nn.functional as F
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    r = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(torch.bfloat16)
+    dt = getattr(torch, dtype)
+    x = torch.randn(rows, hidden, generator=gen, device="cuda").to(dt)
+    r = torch.randn(rows, hidden, generator=gen, device="cuda").to(dt)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dt)
     out = torch.empty_like(x)
     with torch.inference_mode(False):        # a model's weight: a plain tensor that requires grad
         param = torch.nn.Parameter(w.clone())
@@ -132,6 +133,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Per-call host cost of cupy_rmsnorm vs torch (back-to-back calls).")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--calls", type=int, default=2000, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=200)
@@ -161,7 +163,7 @@ def main(argv=None):
     for group, make_cases, context in groups:
         try:
             with context():
-                cases = make_cases(args.rows, args.hidden)
+                cases = make_cases(args.rows, args.hidden, args.dtype)
         except Exception as e:  # noqa: BLE001 - report and go on with the other group
             results.append({"case": f"({group} setup)", "error": f"{type(e).__name__}: {e}"})
             continue
@@ -183,7 +185,7 @@ def main(argv=None):
                 paired.append({"case": mine, "against": theirs, "error": f"{type(e).__name__}: {e}"})
 
     baseline = next((r["host_us"] for r in results if r["case"] == "torch F.rms_norm" and "host_us" in r), None)
-    print(f"\nhost overhead per call, {args.rows} x {args.hidden} bfloat16, {args.calls} back-to-back calls, "
+    print(f"\nhost overhead per call, {args.rows} x {args.hidden} {args.dtype}, {args.calls} back-to-back calls, "
           f"median of {args.repeats}; {device['gpu']}")
     print(f"{'case':<48} {'host us':>9} {'total us':>9} {'host / F.rms_norm':>18}")
     for r in results:
@@ -205,7 +207,7 @@ def main(argv=None):
                   f"{r['ratio_median']:>12.3f} {r['ratio_min']:>5.3f}-{r['ratio_max']:.3f}")
 
     if args.out:
-        meta = common.run_metadata("host_overhead", device, shape=[args.rows, args.hidden], dtype="bfloat16",
+        meta = common.run_metadata("host_overhead", device, shape=[args.rows, args.hidden], dtype=args.dtype,
                                    calls=args.calls, repeats=args.repeats, warmup=args.warmup, rounds=args.rounds)
         common.write_json(args.out, {"meta": meta, "results": results, "paired": paired})
         print(f"\nwrote {args.out}")

@@ -29,11 +29,26 @@ from .. import _driver
 
 MODES = ("graph", "cold", "hot")
 MODE_TITLES = {"graph": "graph: GPU time per call (calls captured in one CUDA graph, replayed)",
-               "cold": "cold: one call after a 512 MiB write flushed L2 (events around the call)",
+               "cold": "cold: one call after a 512 MiB write flushed L2 (events around the call, which the host "
+                       "issued while the GPU waited)",
                "hot": "hot: back-to-back calls from Python (host overhead shows here)"}
 GRAPH_TARGET_US = 5000.0   # aim for ~5 ms per replay: long against launch jitter, short overall
 COPY_BYTES = 1 << 30       # per buffer of the bandwidth copy: far past L2, so it measures HBM
 SCRATCH_BYTES = 512 << 20  # written before each cold call: several times the L2 (H200: 60 MB)
+# After the flush the GPU idles this long, so that a cold call's whole host side (forward +
+# backward through autograd: up to hundreds of microseconds) is issued before its first
+# kernel runs, and the events time the GPU's work rather than the host's.
+HOLD_NS = 2_000_000
+HOLD_SOURCE = r"""
+extern "C" __global__ void hold(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
 WARMUP_CALLS = 3
 
 
@@ -257,17 +272,23 @@ class HotTimer(_Timer):
 
 
 class Scratch:
-    """The cold-mode flush: a buffer several times the L2 size, rewritten on demand."""
+    """The cold-mode flush: a buffer several times the L2 size, rewritten on demand, then
+    a one-thread kernel that holds the stream for HOLD_NS (it touches no memory, so the L2
+    stays flushed)."""
 
-    def __init__(self, nbytes=SCRATCH_BYTES):
+    def __init__(self, nbytes=SCRATCH_BYTES, hold_ns=HOLD_NS):
         import cupy
+        import numpy
         self.buf = cupy.empty(nbytes // 4, dtype=cupy.uint32)
         self._value = 0
+        self._hold = cupy.RawKernel(HOLD_SOURCE, "hold")
+        self._hold_args = (numpy.uint64(hold_ns),)
 
     def write(self, stream):
         self._value = (self._value + 1) & 0xFFFF    # a changing value: never a no-op
         with stream:
             self.buf.fill(self._value)
+            self._hold((1,), (1,), self._hold_args)
 
 
 def make_timer(mode, runner, fn, calls, scratch):
