@@ -8,36 +8,33 @@
     d_input, dweight = rn.fused_add_rms_norm_backward(dy, d_residual_out, residual_out, weight)
     y = rn.rms_norm_gated(x, gate, weight)                        # rmsnorm(x) * weight * silu(gate)
     q, k = rn.qk_norm_rope(q, k, q_weight, k_weight, positions=positions, cos_sin_cache=cache)  # Qwen3
+
+The public functions are those of the op families registered in ``cupy_rmsnorm.ops`` (each
+with its ``*_reference``, the NumPy contract).
 """
 
 import sys
 
-from . import _call
-from ._api import (fused_add_rms_norm, fused_add_rms_norm_backward, fused_add_rms_norm_quant, qk_norm_rope,
-                   qk_norm_rope_backward, rms_norm, rms_norm_backward, rms_norm_gated, rms_norm_gated_backward,
-                   rms_norm_quant)
-from ._plan import BackwardPlan, LaunchPlan, backward_plan, launch_plan
-from ._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_quant_reference,
-                         fused_add_rms_norm_reference, qk_norm_rope_backward_reference, qk_norm_rope_reference,
-                         rms_norm_backward_reference, rms_norm_gated_backward_reference, rms_norm_gated_reference,
-                         rms_norm_quant_reference, rms_norm_reference)
+from . import _interop, ops
+from ._pipeline import REGISTRY
+from ._plan import LaunchPlan, launch_plan
+from .ops.backward.launch import BackwardPlan, backward_plan
 
+
+def _public_names():
+    """{name: object} of every registered op's public function and its family's references."""
+    names = {}
+    for spec in REGISTRY.values():
+        names[spec.public.__name__] = spec.public
+    for family in vars(ops).values():
+        for reference in getattr(family, "REFERENCES", ()):
+            names[reference.__name__] = reference
+    return names
+
+
+globals().update(_public_names())
 __version__ = "0.2.0"
-__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_backward", "fused_add_rms_norm_backward",
-           "rms_norm_quant", "fused_add_rms_norm_quant", "rms_norm_gated", "rms_norm_gated_backward",
-           "rms_norm_gated_reference", "rms_norm_gated_backward_reference", "rms_norm_quant_reference", "fused_add_rms_norm_quant_reference",
-           "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_reference", "qk_norm_rope_backward_reference",
-           "LaunchPlan", "launch_plan", "BackwardPlan", "backward_plan",
-           "rms_norm_reference", "fused_add_rms_norm_reference",
-           "rms_norm_backward_reference", "fused_add_rms_norm_backward_reference", "__version__"]
+__all__ = list(_public_names()) + ["LaunchPlan", "launch_plan", "BackwardPlan", "backward_plan", "__version__"]
 
-
-def _load_torch_ops():
-    """Register the torch ops, which routes calls made while torch.compile traces to them
-    (the call flow asks for this at the first torch tensor; it never imports torch itself)."""
-    from . import _torch_ops  # noqa: F401 - the import registers them and installs the tracing hook
-
-
-_call.load_torch_ops = _load_torch_ops
 if sys.modules.get("torch") is not None:   # torch is in use: tracing must find the ops from the start
-    _load_torch_ops()
+    _interop.TorchKind.bind()

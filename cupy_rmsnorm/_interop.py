@@ -130,18 +130,39 @@ class TorchKind:
     under ``torch.cuda.stream(s)`` is ordered), outputs from torch's caching allocator."""
     name = "torch"
     _dtypes = None
+    compiling = None     # torch.compiler.is_dynamo_compiling once bound: the pipeline's tracing check
+    _bindings = []       # what binds with torch: each family's registration of its torch ops
+
+    @classmethod
+    def add_binding(cls, bind):
+        """Call ``bind()`` when torch binds (at once if it has): a family registers its torch
+        ops this way, so the call flow never imports them."""
+        cls._bindings.append(bind)
+        if cls.compiling is not None:
+            bind()
 
     @classmethod
     def bind(cls):
-        """Once torch is imported: the hot-path functions become torch's C functions
-        themselves (no Python wrapper call per use)."""
-        torch = sys.modules["torch"]
+        """Once torch is imported (idempotent): the hot-path functions become torch's C
+        functions themselves (no Python wrapper call per use), and the families' torch ops
+        are registered."""
+        if cls.compiling is not None:
+            return
+        import torch
         cls.ptr = staticmethod(torch.Tensor.data_ptr)
         raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # absent in CPU builds
         if raw_stream is not None:
             cls.stream = staticmethod(raw_stream)
         cls.grad_enabled = staticmethod(torch.is_grad_enabled)
         cls.inference_mode = staticmethod(torch.is_inference_mode_enabled)
+        # is_dynamo_compiling: a plain `return False` in eager (cheaper than is_compiling)
+        cls.compiling = staticmethod(getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling))
+        try:
+            for bind in cls._bindings:
+                bind()
+        except BaseException:
+            cls.compiling = None
+            raise
 
     @classmethod
     def _dtype_map(cls):
@@ -257,8 +278,8 @@ class DlpackKind:
         if dev_type not in (2, 13):  # kDLCUDA, kDLCUDAManaged
             raise ValueError(f"{arg} lives on a non-CUDA device (DLPack device type {int(dev_type)}); "
                              f"pass a CUDA array or a NumPy array")
-        import cupy
-        return cupy.from_dlpack(obj)
+        require_cupy()
+        return sys.modules["cupy"].from_dlpack(obj)
 
 
 def require_cupy():
@@ -294,9 +315,9 @@ def _cupy_key(a):
     return (a.shape, a.strides, a.dtype, a.data.device_id)
 
 
-def _cupy_signature(fused, arrays, eps, weight_offset, casting_mode):
+def _cupy_signature(spec, arrays, args):
     ndarray = sys.modules["cupy"].ndarray
-    key = [ndarray, fused, eps, weight_offset, casting_mode]
+    key = [ndarray, spec, args]
     for a in arrays:
         if a is None:
             key.append(None)
@@ -307,13 +328,14 @@ def _cupy_signature(fused, arrays, eps, weight_offset, casting_mode):
     return tuple(key)
 
 
-# What a Launcher depends on of a tensor, besides shape, strides, dtype and device: is_neg
+# What a launcher depends on of a tensor, besides shape, strides, dtype and device: is_neg
 # (its memory lacks the sign: resolved on the full path) and, for outputs, whether it can be
 # written now (an inference tensor only in inference mode). Of the call, whether autograd must
 # record it (grad mode on and a tensor requiring grad: then the full path routes it). With
-# these in the signature a Launcher needs no check of its own per call. Reading them is a good
-# part of a torch call's host cost, so _torch_signature writes the same fields out inline,
-# without a call per tensor (a CPU test checks the two against each other).
+# these in the signature a launcher needs no check of its own per call. Reading them is a good
+# part of a torch call's host cost, so the forward's five arrays (x, residual, weight, out,
+# residual_out) are written out inline, without a call per tensor (a CPU test checks the two
+# forms against each other).
 def _torch_input_key(t):
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.is_neg())
 
@@ -336,32 +358,37 @@ def autograd_records(arrays):
     return TorchKind.grad_enabled() and any_requires_grad(arrays)
 
 
-def _torch_signature(fused, arrays, eps, weight_offset, casting_mode):
-    x, r, w, o, ro = arrays
+FORWARD_OUTPUTS = (3, 4)     # out and residual_out among the forward's five arrays
+
+
+def _torch_signature(spec, arrays, args):
     try:    # anything but a tensor (a CuPy array in the mix, say) fails an attribute here
-        return (TorchKind, fused, eps, weight_offset, casting_mode,
-                TorchKind.grad_enabled() and any_requires_grad(arrays),       # autograd_records, inline
-                x.shape, x.stride(), x.dtype, x.get_device(), x.is_neg(),
-                None if r is None else (r.shape, r.stride(), r.dtype, r.get_device(), r.is_neg()),
-                None if w is None else (w.shape, w.stride(), w.dtype, w.get_device(), w.is_neg()),
-                None if o is None else (o.shape, o.stride(), o.dtype, o.get_device(), o.is_neg(),
-                                        not o.is_inference() or TorchKind.inference_mode()),   # writeable
-                None if ro is None else (ro.shape, ro.stride(), ro.dtype, ro.get_device(), ro.is_neg(),
-                                         not ro.is_inference() or TorchKind.inference_mode()))
+        if spec.outputs is FORWARD_OUTPUTS:
+            x, r, w, o, ro = arrays
+            return (TorchKind, spec, args,
+                    TorchKind.grad_enabled() and any_requires_grad(arrays),       # autograd_records, inline
+                    x.shape, x.stride(), x.dtype, x.get_device(), x.is_neg(),
+                    None if r is None else (r.shape, r.stride(), r.dtype, r.get_device(), r.is_neg()),
+                    None if w is None else (w.shape, w.stride(), w.dtype, w.get_device(), w.is_neg()),
+                    None if o is None else (o.shape, o.stride(), o.dtype, o.get_device(), o.is_neg(),
+                                            not o.is_inference() or TorchKind.inference_mode()),   # writeable
+                    None if ro is None else (ro.shape, ro.stride(), ro.dtype, ro.get_device(), ro.is_neg(),
+                                             not ro.is_inference() or TorchKind.inference_mode()))
+        outputs = spec.outputs
+        return (TorchKind, spec, args, autograd_records(arrays)) + tuple(
+            None if t is None else _torch_output_key(t) if k in outputs else _torch_input_key(t)
+            for k, t in enumerate(arrays))
     except (AttributeError, TypeError, RuntimeError):   # RuntimeError: a sparse tensor's strides
         return None
 
 
-SIGNATURES = {}   # type of x -> its kind's signature function
+SIGNATURES = {}   # type of a call's first array -> its kind's signature function
 
 
-def signature(fused, arrays, eps, weight_offset, casting_mode):
-    """A key of everything but the pointers, or None (then no fast path). It may be
-    unhashable (an odd eps, say): the caller treats that like None.
-
-    ``arrays``: the five in ``Arrays`` order (x, residual, weight, out, residual_out;
-    None where absent).
-    """
+def signature_of(spec, arrays, args):
+    """A key of everything about a call of ``spec`` but the pointers, or None (then no fast
+    path). It may be unhashable (an odd eps, say): the caller treats that like None. Records
+    the signature function of a new type of ``arrays[0]`` in SIGNATURES."""
     sig = SIGNATURES.get(type(arrays[0]))
     if sig is None:
         cupy, torch = sys.modules.get("cupy"), sys.modules.get("torch")
@@ -371,41 +398,4 @@ def signature(fused, arrays, eps, weight_offset, casting_mode):
             sig = SIGNATURES[torch.Tensor] = _torch_signature
         else:
             return None
-    return sig(fused, arrays, eps, weight_offset, casting_mode)
-
-
-def _extra_key(a):
-    """The signature part of an array beyond the five (a quantized call's scale and scales_out)."""
-    if a is None:
-        return None
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and type(a) is cupy.ndarray:
-        return _cupy_key(a)
-    return _torch_output_key(a)     # anything else but a tensor fails an attribute here
-
-
-def qk_rope_signature(tag, arrays, eps, weight_offset, casting_mode, rope):
-    """``signature`` of a QK norm + RoPE call, forward or backward (``tag``): ``arrays`` its ten
-    (QkRopeArrays or QkRopeBackwardArrays order), ``rope`` its (rotary_dim, is_neox)."""
-    sig = signature(tag, arrays[:5], eps, weight_offset, casting_mode)
-    if sig is None:
-        return None
-    try:
-        # the five's key holds whether autograd records them; the angles' tensors (sin,
-        # positions, the cache) must not slip past the check that they need no gradient
-        records = sig[0] is TorchKind and autograd_records(arrays[5:])
-        return sig, rope, records, tuple(_extra_key(a) for a in arrays[5:])
-    except (AttributeError, TypeError, RuntimeError):
-        return None
-
-
-def quant_signature(fused, arrays, eps, weight_offset, casting_mode, quant):
-    """``signature`` of a quantized call: ``arrays`` the seven of QuantArrays (x, residual, weight,
-    out, residual_out, scale, scales_out), ``quant`` its (group_size, scale_ub, quant_dtype)."""
-    sig = signature(fused, arrays[:5], eps, weight_offset, casting_mode)
-    if sig is None:
-        return None
-    try:
-        return sig, quant, _extra_key(arrays[5]), _extra_key(arrays[6])
-    except (AttributeError, TypeError, RuntimeError):
-        return None
+    return sig(spec, arrays, args)

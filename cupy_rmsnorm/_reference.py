@@ -40,11 +40,9 @@ the hardware ``rsqrtf`` and, as CuPy compiles them, flush float32 subnormals to 
 (``canonical_sum_of_squares(..., flush_subnormals=True)`` models their sum exactly).
 """
 
-import ml_dtypes
 import numpy as np
 
 CASTING_MODES = ("fp32", "llama")
-ACTIVATIONS = ("silu", "sigmoid")                        # the gated op's act(gate)
 FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)    # the smallest normal float32
 
 
@@ -74,16 +72,6 @@ def canonical_sum_of_squares(x, flush_subnormals=False):
         while level.shape[-1] > 1:
             level = level[..., 0::2] + level[..., 1::2]
     return level[..., 0]
-
-
-def rms_norm_reference(x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32", *, out_dtype=None):
-    """``rms_norm`` over the last axis of a NumPy array, following the contract above.
-
-    ``out_dtype``: y's dtype O (None: x's); llama mode rounds x * inv_rms to O before the
-    weight multiply. Infinities and NaNs come out as IEEE arithmetic makes them (an all-zero
-    row with eps=0 gives NaN), quietly, as from the GPU kernels: no RuntimeWarning."""
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        return _rms_norm(x, weight, eps, weight_offset, casting_mode, out_dtype)
 
 
 def _rms_norm(x, weight, eps, weight_offset, casting_mode, out_dtype=None):
@@ -122,106 +110,11 @@ def offset_weight(weight, weight_offset):
     return w + np.float32(weight_offset) if weight_offset != 0 else w
 
 
-def fused_add_rms_norm_reference(x, residual, weight=None, eps=1e-6, weight_offset=0.0,
-                                 casting_mode="fp32", *, out_dtype=None):
-    """``(rms_norm(round(x + residual)), round(x + residual))`` in NumPy.
-
-    The sum is ``x + residual`` in float32 rounded to the residual's dtype (x's, or float32
-    for a float32 residual stream with 16-bit x): that is residual_out, and y normalizes its
-    values, in O = ``out_dtype`` or x's dtype (llama mode rounding to O)."""
-    summed = _summed(x, residual)
-    return rms_norm_reference(summed, weight, eps, weight_offset, casting_mode,
-                              out_dtype=_out_dtype(x, out_dtype)), summed
-
-
 def _summed(x, residual):
     """round(x + residual): the float32 sum rounded to the residual's dtype."""
     residual = np.asarray(residual)
     with np.errstate(over="ignore", invalid="ignore"):
         return (np.asarray(x, dtype=np.float32) + np.asarray(residual, dtype=np.float32)).astype(residual.dtype)
-
-
-# -- quantized outputs -----------------------------------------------------------------------------
-# y is the float32 value above before its final rounding (llama mode included). Then, in float32:
-#   static:    scale given (one float32 in device memory);
-#   per token: amax = max |y| over the row (NaN ignored, as fmaxf does), per group: over each
-#              run of group_size elements; scale = max(min(amax, scale_ub) / QMAX, MIN_SCALE);
-#   inv = 1 / scale (correctly rounded); q = sat(round(y * inv)) to the quant dtype: round to
-#   nearest even, saturating at +-QMAX (an infinity too), NaN stays NaN (int8: 0).
-# Multiplying by the reciprocal (as FlashInfer and vLLM's static form do) rather than dividing
-# per element keeps the kernel off the ALU limit; both sides compute exactly this.
-QUANT_DTYPES = {"float8_e4m3fn": (ml_dtypes.float8_e4m3fn, 448.0),
-                "float8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
-                "int8": (np.dtype(np.int8), 127.0)}
-GROUP_SIZES = (128,)
-MIN_SCALE_DIVISOR = 512.0   # MIN_SCALE = 1 / (QMAX * 512) (vLLM's): an all-zero row gives zeros, not NaN
-
-
-def quant_max(quant_dtype):
-    """QMAX: the largest finite value of the quant dtype (the saturation bound)."""
-    return QUANT_DTYPES[quant_dtype][1]
-
-
-def min_scale(quant_dtype):
-    return np.float32(1.0) / np.float32(quant_max(quant_dtype) * MIN_SCALE_DIVISOR)
-
-
-def dynamic_scales(y, quant_dtype, scale_ub=None):
-    """float32 scales of y's last axis (keepdims): max(min(amax, scale_ub) / QMAX, MIN_SCALE)."""
-    with np.errstate(invalid="ignore"):
-        amax = np.max(np.where(np.isnan(y), np.float32(0), np.abs(y)), axis=-1, keepdims=True)
-    if scale_ub is not None:
-        amax = np.minimum(amax, np.float32(scale_ub))
-    return np.maximum(amax / np.float32(quant_max(quant_dtype)), min_scale(quant_dtype))
-
-
-def quantize(y, scale, quant_dtype):
-    """``sat(round(y * (1 / scale)))`` in the quant dtype (ml_dtypes float8, or int8)."""
-    dtype, qmax = QUANT_DTYPES[quant_dtype]
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inv = np.float32(1.0) / np.asarray(scale, dtype=np.float32)
-        v = np.clip(y * inv, np.float32(-qmax), np.float32(qmax))   # NaN stays NaN
-        if dtype == np.int8:
-            return np.where(np.isnan(v), np.float32(0), np.rint(v)).astype(np.int8)
-        return v.astype(dtype)
-
-
-def rms_norm_quant_reference(x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32", *,
-                             scale=None, group_size=None, scale_ub=None, quant_dtype="float8_e4m3fn"):
-    """``(q, scales)``: ``rms_norm``'s y before its final rounding, quantized (see above).
-
-    ``scale`` given: the static form (scales is that scale, as float32); else per token
-    (scales of shape x.shape[:-1] + (1,)) or, with ``group_size``, per group of that many
-    elements (scales of shape x.shape[:-1] + (hidden // group_size,), contiguous here)."""
-    return _quantized(x, weight, eps, weight_offset, casting_mode, x.dtype, scale=scale, group_size=group_size,
-                      scale_ub=scale_ub, quant_dtype=quant_dtype)
-
-
-def _quantized(x, weight, eps, weight_offset, casting_mode, round_dtype, *, scale=None, group_size=None,
-               scale_ub=None, quant_dtype="float8_e4m3fn"):
-    """``(q, scales)`` of x's normalized values, llama mode rounding to ``round_dtype``."""
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        y = _normalized(x, weight, eps, weight_offset, casting_mode, round_dtype)
-    if scale is not None:
-        scales = np.asarray(scale, dtype=np.float32)
-        return quantize(y, scales.reshape(()), quant_dtype), scales
-    if group_size is None:
-        scales = dynamic_scales(y, quant_dtype, scale_ub)
-        return quantize(y, scales, quant_dtype), scales
-    groups = y.reshape(y.shape[:-1] + (y.shape[-1] // group_size, group_size))
-    scales = dynamic_scales(groups, quant_dtype, scale_ub)
-    return quantize(groups, scales, quant_dtype).reshape(y.shape), scales[..., 0]
-
-
-def fused_add_rms_norm_quant_reference(x, residual, weight=None, eps=1e-6, weight_offset=0.0,
-                                       casting_mode="fp32", **quant):
-    """``(q, residual_out, scales)``: ``rms_norm_quant_reference`` of round(x + residual).
-
-    round(x + residual) is to the residual's dtype (a float32 residual stream: float32);
-    llama mode rounds x * inv_rms to x's dtype, as the unfused quantized form does."""
-    summed = _summed(x, residual)
-    q, scales = _quantized(summed, weight, eps, weight_offset, casting_mode, np.asarray(x).dtype, **quant)
-    return q, summed, scales
 
 
 # -- backward ----------------------------------------------------------------------------------
@@ -254,28 +147,6 @@ def _backward_float32(dy, x, weight, eps, weight_offset, casting_mode, weight_gr
         xhat = _round_to(xhat, np.asarray(dy).dtype if llama_dtype is None else llama_dtype)
     dweight = np.sum((dyf * xhat).reshape(-1, hidden), axis=0, dtype=np.float32)
     return dx, dweight.astype(np.asarray(weight).dtype)
-
-
-def rms_norm_backward_reference(dy, x, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32"):
-    """``(dx, dweight)`` of ``rms_norm`` in NumPy, following the contract above (dweight
-    None when weight is None; dx in x's dtype; dy in the forward's output dtype, which llama
-    mode's xhat is rounded to); quiet about infinities and NaNs, as the forward."""
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        dx, dweight = _backward_float32(dy, x, weight, eps, weight_offset, casting_mode)
-        return dx.astype(x.dtype), dweight
-
-
-def fused_add_rms_norm_backward_reference(dy, d_residual_out, residual_out, weight=None, eps=1e-6,
-                                          weight_offset=0.0, casting_mode="fp32"):
-    """``(d_input, dweight)`` of ``fused_add_rms_norm`` in NumPy: ``residual_out`` is the
-    forward's s = round(x + residual), ``d_residual_out`` the gradient of that output (None
-    for zero); d_input is the gradient of both x and residual, in residual_out's dtype (dy
-    may be in another: the forward's y dtype)."""
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        dx, dweight = _backward_float32(dy, residual_out, weight, eps, weight_offset, casting_mode)
-        if d_residual_out is not None:
-            dx = dx + np.asarray(d_residual_out, dtype=np.float32)
-        return dx.astype(residual_out.dtype), dweight
 
 
 # -- gated RMSNorm ---------------------------------------------------------------------------------
@@ -311,120 +182,6 @@ def fused_add_rms_norm_backward_reference(dy, d_residual_out, residual_out, weig
 #   without a weight.
 
 
-def _group_size(hidden, group_size):
-    """g: ``group_size`` (None: hidden), which must divide hidden."""
-    g = hidden if group_size is None else int(group_size)
-    if g <= 0 or hidden % g:
-        raise ValueError(f"group_size must be a positive divisor of hidden={hidden}, got {group_size}")
-    return g
-
-
-def _activation(z, activation):
-    """(act(z), act'(z)) in float32, z float32 (see the contract above)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    one = np.float32(1)
-    s = one / (one + np.exp(-z))
-    if activation == "silu":
-        return z * s, s * (one + z * (one - s))
-    return s, s * (one - s)
-
-
-def _round_product(casting_mode, weight, weight_offset, dtype):
-    """Whether llama mode rounds n * w' to ``dtype`` too (the weight is in that dtype)."""
-    return (casting_mode == "llama" and weight is not None and np.asarray(weight).dtype == dtype
-            and weight_offset == 0)
-
-
-def _gated_inputs(x, gate, weight, weight_offset, group_size):
-    """x, z as float32 (..., groups, g), w' as (groups, g) or None, g and the row's shape."""
-    shape = np.shape(x)
-    if np.shape(gate) != shape:
-        raise ValueError(f"gate must have x's shape {shape}, got {np.shape(gate)}")
-    hidden = shape[-1]
-    g = _group_size(hidden, group_size)
-    grouped = shape[:-1] + (hidden // g, g)
-    xf = np.asarray(x, dtype=np.float32).reshape(grouped)
-    zf = np.asarray(gate, dtype=np.float32).reshape(grouped)
-    w = None if weight is None else offset_weight(weight, weight_offset).reshape(hidden // g, g)
-    return xf, zf, w, g
-
-
-def rms_norm_gated_reference(x, gate, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32", *,
-                             group_size=None, norm_before_gate=True, activation="silu", out_dtype=None):
-    """Gated ``rms_norm`` over the last axis of NumPy arrays, following the contract above:
-    ``rmsnorm(x) * w' * act(gate)`` (``norm_before_gate``) or ``rmsnorm(x * act(gate)) * w'``,
-    each of ``group_size`` consecutive elements normalized on its own, y in ``out_dtype``
-    (None: x's dtype). Quiet about infinities and NaNs, as ``rms_norm_reference``."""
-    out = _out_dtype(x, out_dtype)
-    xf, zf, w, g = _gated_inputs(x, gate, weight, weight_offset, group_size)
-    llama = casting_mode == "llama"
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        act, _ = _activation(zf, activation)
-        v = xf if norm_before_gate else xf * act
-        sumsq = canonical_sum_of_squares(v)[..., None]
-        inv_rms = np.float32(1.0) / np.sqrt(sumsq / np.float32(g) + np.float32(eps))
-        n = v * inv_rms
-        if llama:
-            n = _round_to(n, out)
-        p = n if w is None else n * w
-        if norm_before_gate:
-            if _round_product(casting_mode, weight, weight_offset, out):
-                p = _round_to(p, out)
-            p = p * act
-        return p.reshape(np.shape(x)).astype(out)
-
-
-def rms_norm_gated_backward_reference(dy, x, gate, weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32",
-                                      *, group_size=None, norm_before_gate=True, activation="silu"):
-    """``(dx, dgate, dweight)`` of ``rms_norm_gated`` in NumPy, following the contract above:
-    dy in the forward's output dtype (llama mode's roundings are to it), dx in x's dtype,
-    dgate in the gate's dtype, dweight in the weight's dtype (None without a weight). Quiet
-    about infinities and NaNs, as the forward."""
-    shape = np.shape(x)
-    hidden = shape[-1]
-    xf, zf, w, g = _gated_inputs(x, gate, weight, weight_offset, group_size)
-    if np.shape(dy) != shape:
-        raise ValueError(f"dy must have x's shape {shape}, got {np.shape(dy)}")
-    d_dtype = np.asarray(dy).dtype
-    dyf = np.asarray(dy, dtype=np.float32).reshape(xf.shape)
-    llama = casting_mode == "llama"
-    gsize = np.float32(g)
-
-    def group_sum(v):
-        return np.sum(v, axis=-1, keepdims=True, dtype=np.float32)
-
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        act, dact = _activation(zf, activation)
-        gw = dyf if w is None else dyf * w
-        if norm_before_gate:
-            inv_rms = np.float32(1.0) / np.sqrt(group_sum(xf * xf) / gsize + np.float32(eps))
-            xhat = xf * inv_rms
-            gx = gw * act
-            c = group_sum(gx * xhat) / gsize
-            dx = inv_rms * (gx - xhat * c)
-            xw = _round_to(xhat, d_dtype) if llama else xhat
-            p = xw if w is None else xw * w
-            if _round_product(casting_mode, weight, weight_offset, d_dtype):
-                p = _round_to(p, d_dtype)
-            dgate = dyf * p * dact
-            dw_terms = dyf * act * xw
-        else:
-            h = xf * act
-            inv_rms = np.float32(1.0) / np.sqrt(group_sum(h * h) / gsize + np.float32(eps))
-            hhat = h * inv_rms
-            c = group_sum(gw * hhat) / gsize
-            dh = inv_rms * (gw - hhat * c)
-            dx = dh * act
-            dgate = dh * xf * dact
-            dw_terms = dyf * (_round_to(hhat, d_dtype) if llama else hhat)
-        dweight = None
-        if weight is not None:
-            dweight = np.sum(dw_terms.reshape(-1, hidden), axis=0, dtype=np.float32).astype(np.asarray(weight).dtype)
-        return (dx.reshape(shape).astype(np.asarray(x).dtype), dgate.reshape(shape).astype(np.asarray(gate).dtype),
-                dweight)
-
-
 # -- QK norm + RoPE -------------------------------------------------------------------------------
 # Qwen3, Gemma 3, OLMo 2 (kernels/qk_norm_rope.cu computes the same). q is (..., Hq, D), k is
 # (..., Hk, D) with the same leading axes (the tokens); each head is a row of rms_norm:
@@ -451,98 +208,3 @@ def rms_norm_gated_backward_reference(dy, x, gate, weight=None, eps=1e-6, weight
 # dk_weight summed over every token and head of their kind, in the weights' dtype.
 
 
-def _rope_pairs(rotary_dim, is_neox):
-    """(partner index, whether each channel is its pair's first) of channels 0 .. rotary_dim - 1."""
-    j = np.arange(rotary_dim)
-    if is_neox:
-        half = rotary_dim // 2
-        return np.where(j < half, j + half, j - half), j < half
-    return j ^ 1, j % 2 == 0
-
-
-def rope_angles(tokens_shape, rotary_dim, is_neox, *, cos=None, sin=None, positions=None, cos_sin_cache=None):
-    """(cos, sin) of every token and rotated channel, float32 of shape tokens_shape +
-    (rotary_dim,), from either convention (see above); NaN for a position outside the cache."""
-    shape = tuple(tokens_shape) + (rotary_dim,)
-    if cos is not None:
-        return (np.broadcast_to(np.asarray(cos, dtype=np.float32), shape),
-                np.broadcast_to(np.asarray(sin, dtype=np.float32), shape))
-    cache = np.asarray(cos_sin_cache, dtype=np.float32)
-    pos = np.broadcast_to(np.asarray(positions), tuple(tokens_shape)).astype(np.int64)
-    outside = (pos < 0) | (pos >= cache.shape[0])
-    rows = cache[np.where(outside, 0, pos)] if cache.shape[0] else np.zeros(shape, np.float32)
-    half = rotary_dim // 2
-    c, s = rows[..., :half], rows[..., half:]
-    if is_neox:
-        c, s = np.concatenate([c, c], axis=-1), np.concatenate([s, s], axis=-1)
-    else:
-        c, s = np.repeat(c, 2, axis=-1), np.repeat(s, 2, axis=-1)
-    nan = np.float32(np.nan)
-    return np.where(outside[..., None], nan, c), np.where(outside[..., None], nan, s)
-
-
-def _rotated(v, cos, sin, rotary_dim, is_neox, inverse=False):
-    """v (float32, (..., heads, D)) with its first rotary_dim channels rotated by the angles
-    (cos, sin: (..., rotary_dim), the same for every head) by +theta, or by -theta (``inverse``:
-    the transpose, which takes the partner's sin)."""
-    partner, first = _rope_pairs(rotary_dim, is_neox)
-    c, s = cos[..., None, :], sin[..., None, :]
-    if inverse:
-        s = s[..., partner]
-        first = ~first
-    turned = v[..., :rotary_dim]
-    b = turned[..., partner] * s
-    out = turned * c + np.where(first, -b, b)
-    return np.concatenate([out, v[..., rotary_dim:]], axis=-1)
-
-
-def _rope_inputs(q, k, rotary_dim, is_neox, tables):
-    """The tokens' shape, rotary_dim (default: the table's width) and the angles."""
-    q, k = np.asarray(q), np.asarray(k)
-    if q.ndim < 2 or k.ndim < 2 or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have shapes (..., heads, head_dim) with the same leading axes and "
-                         f"head_dim, got {q.shape} and {k.shape}")
-    table = tables["cos"] if tables["cos"] is not None else tables["cos_sin_cache"]
-    width = np.shape(table)[-1]
-    rd = width if rotary_dim is None else int(rotary_dim)
-    if rd != width or rd % 2 or not 2 <= rd <= q.shape[-1]:
-        raise ValueError(f"rotary_dim must be the table's width {width}, even and at most head_dim "
-                         f"{q.shape[-1]}, got {rotary_dim}")
-    return rd, rope_angles(q.shape[:-2], rd, is_neox, **tables)
-
-
-def qk_norm_rope_reference(q, k, q_weight=None, k_weight=None, eps=1e-6, weight_offset=0.0, casting_mode="fp32", *,
-                           cos=None, sin=None, positions=None, cos_sin_cache=None, rotary_dim=None, is_neox=True):
-    """``(q_out, k_out)``: each head of q and k normalized (rms_norm with q_weight / k_weight),
-    then its first rotary_dim channels rotated in float32 and rounded once to q's dtype,
-    following the contract above. The angles: ``cos`` and ``sin`` (transformers), or
-    ``positions`` and ``cos_sin_cache`` (vLLM, FlashInfer); a position outside the cache gives
-    NaN in the rotated channels (the kernels' behaviour). Quiet about infinities and NaNs."""
-    tables = dict(cos=cos, sin=sin, positions=positions, cos_sin_cache=cos_sin_cache)
-    rd, (c, s) = _rope_inputs(q, k, rotary_dim, is_neox, tables)
-    outs = []
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        for x, w in ((np.asarray(q), q_weight), (np.asarray(k), k_weight)):
-            y = _normalized(x, w, eps, weight_offset, casting_mode)
-            outs.append(_rotated(y, c, s, rd, is_neox).astype(x.dtype))
-    return tuple(outs)
-
-
-def qk_norm_rope_backward_reference(dq_out, dk_out, q, k, q_weight=None, k_weight=None, eps=1e-6, weight_offset=0.0,
-                                    casting_mode="fp32", *, cos=None, sin=None, positions=None, cos_sin_cache=None,
-                                    rotary_dim=None, is_neox=True):
-    """``(dq, dk, dq_weight, dk_weight)`` of ``qk_norm_rope`` given the gradients of its outputs
-    (q's and k's shapes, q's dtype), following the contract above: dq and dk in q's dtype, the
-    weights' gradients in their dtype (None without weights). Quiet about infinities and NaNs."""
-    tables = dict(cos=cos, sin=sin, positions=positions, cos_sin_cache=cos_sin_cache)
-    rd, (c, s) = _rope_inputs(q, k, rotary_dim, is_neox, tables)
-    grads, weight_grads = [], []
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        for do, x, w in ((dq_out, np.asarray(q), q_weight), (dk_out, np.asarray(k), k_weight)):
-            if np.shape(do) != x.shape:
-                raise ValueError(f"the output gradients must have q's and k's shapes, got {np.shape(do)} for {x.shape}")
-            dy = _rotated(np.asarray(do, dtype=np.float32), c, s, rd, is_neox, inverse=True)
-            dx, dw = _backward_float32(dy, x, w, eps, weight_offset, casting_mode, llama_dtype=x.dtype)
-            grads.append(dx.astype(x.dtype))
-            weight_grads.append(dw)
-    return grads[0], grads[1], weight_grads[0], weight_grads[1]

@@ -11,7 +11,7 @@ Importing this submodule imports torch (and registers the library's torch ops);
 ``import cupy_rmsnorm`` alone never does.
 
 Under torch.compile (``fullgraph=True`` included) each norm is one registered op
-(``torch.ops.cupy_rmsnorm.*``, see ``cupy_rmsnorm._torch_ops``): dynamo traces no
+(``torch.ops.cupy_rmsnorm.*``, registered by each family in ``cupy_rmsnorm.ops``): dynamo traces no
 library Python, and CUDA graphs capture the launches. The modules train: with grad mode
 on and a tensor that requires grad (the weight Parameter does), a call goes through the
 registered op, whose backward is the library's backward kernels (gradients of x, the
@@ -29,9 +29,14 @@ import warnings
 import torch
 from torch import nn
 
-from . import _torch_ops  # noqa: F401 - registers the torch ops
-from ._api import fused_add_rms_norm, qk_norm_rope, rms_norm, rms_norm_gated
-from ._validate import check_gated, check_scalars
+from ._interop import TorchKind
+from ._validate import check_scalars
+from .ops.forward import fused_add_rms_norm, rms_norm
+from .ops.gated import rms_norm_gated
+from .ops.gated.checks import check_gated
+from .ops.qk_rope import qk_norm_rope
+
+TorchKind.bind()   # the library's torch ops, registered before anything is compiled
 
 __all__ = ["RMSNorm", "FusedAddRMSNorm", "RMSNormGated", "patch_hf_rmsnorm"]
 

@@ -27,6 +27,7 @@ import cupy_rmsnorm as rn
 from cupy_rmsnorm import _reference as R
 from cupy_rmsnorm.bench.arrays import (BFLOAT16, NAN_BITS, UINT, bits, from_float32, poison,  # noqa: F401
                                        to_float32, to_float64)
+from cupy_rmsnorm.ops.quant import reference as quant_reference
 
 
 # elements where got is neither equal to ref nor within tol of it (NaN counts as bad)
@@ -238,7 +239,7 @@ MAX_NEAR_TIES_FP8 = 1e-3
 
 
 def qdtype(quant_dtype):
-    return R.QUANT_DTYPES[quant_dtype][0]
+    return quant_reference.QUANT_DTYPES[quant_dtype][0]
 
 
 def q_bits(q):
@@ -252,8 +253,8 @@ def q_bits(q):
 def boundaries_apart(v, quant_dtype, near=NEAR_TIE):
     """Where v (float32 values about to be quantized) lies ``near`` (relative) or more from a
     rounding boundary: quantizing v (1 -+ near) gives the same code."""
-    lo = R.quantize(v * np.float32(1 - near), np.float32(1), quant_dtype)
-    hi = R.quantize(v * np.float32(1 + near), np.float32(1), quant_dtype)
+    lo = quant_reference.quantize(v * np.float32(1 - near), np.float32(1), quant_dtype)
+    hi = quant_reference.quantize(v * np.float32(1 + near), np.float32(1), quant_dtype)
     return lo.view(np.uint8) == hi.view(np.uint8)
 
 
@@ -261,7 +262,7 @@ def compare_q(got_bits, y, scales, quant_dtype, exact, near=NEAR_TIE):
     """None if the bytes ``got_bits`` are the quantization of ``y`` by ``scales`` (the kernel's;
     broadcast), exactly or (``exact`` False) but for near ties (``near``, relative) within one
     step; else why not."""
-    want = R.quantize(y, scales, quant_dtype)
+    want = quant_reference.quantize(y, scales, quant_dtype)
     want_bits = want.view(np.uint8)
     got = got_bits.view(qdtype(quant_dtype)).astype(np.float32)
     same = (got_bits == want_bits) | (np.isnan(got) & np.isnan(want.astype(np.float32)))

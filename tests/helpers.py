@@ -198,15 +198,16 @@ def cpu_kernels_of_the_ops(kernels):
     again (a kernel registered for a custom op stays registered: the op's default is put back
     in its place, so tests that expect the real path's refusal of CPU tensors still see it)."""
     import torch
+    from torch._library.custom_ops import OPDEFS   # the registered custom ops, by qualified name
 
-    from cupy_rmsnorm import _torch_ops
+    import cupy_rmsnorm.torch  # noqa: F401 - the ops registered
     for name, fn in kernels.items():
         torch.library.register_kernel(f"cupy_rmsnorm::{name}", "cpu", fn)
     try:
         yield
     finally:
         for name in kernels:
-            op = getattr(_torch_ops, name)
+            op = OPDEFS[f"cupy_rmsnorm::{name}"]
             op._backend_fns["cpu"] = op._backend_fns[None]
 
 

@@ -31,6 +31,7 @@ from helpers import DTYPES
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _cache, _plan
 from cupy_rmsnorm import _reference as R
+from cupy_rmsnorm.ops.quant import reference as quant_reference
 
 FORMS = ("static", "per_token", "per_group")
 QUANT = ("float8_e4m3fn", "float8_e5m2", "int8")
@@ -60,7 +61,7 @@ def run(rng, op, dtype_name, form, quant_dtype, hidden, layout, rows, mode, wkin
                       .astype(dtype if wkind == "same" else np.float32))
     x_h, r_h = to_host(x), (to_host(res) if fused else None)
     w_h = to_host(w) if w is not None else None
-    scale_h = np.array([2.0 / R.quant_max(quant_dtype)], np.float32) if form == "static" else None
+    scale_h = np.array([2.0 / quant_reference.quant_max(quant_dtype)], np.float32) if form == "static" else None
     group = 128 if form == "per_group" else None
     kw = dict(scale=cp.asarray(scale_h) if scale_h is not None else None, group_size=group, quant_dtype=quant_dtype,
               weight_offset=woff, casting_mode=mode)

@@ -13,6 +13,7 @@ from helpers import DTYPES, child_env
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _driver, _interop, _validate
+from cupy_rmsnorm.ops.forward import checks as forward_checks
 
 
 def rand(shape, dtype=np.float32, seed=0):
@@ -60,7 +61,7 @@ def test_hidden_size_past_int32_is_a_value_error():
         rn.rms_norm(x)
     meta = _interop.Meta(0, (2, 2 ** 31), (2 ** 31, 1), "bfloat16", 2, 0)
     with pytest.raises(ValueError, match=r"^x has hidden size"):
-        _validate.check_arrays(rn._layout.Arrays(meta))
+        forward_checks.check_arrays(rn._layout.Arrays(meta))
 
 
 def test_fused_without_residual_names_it():
@@ -119,11 +120,30 @@ def test_dlpack_device_that_is_not_a_pair():
         _interop.DlpackKind.to_cupy(_NoDevice(), "x")
 
 
+class _Producer:
+    """A DLPack producer on the given DLPack device type (2: CUDA, 1: CPU)."""
+    def __init__(self, device_type):
+        self.device_type = device_type
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("not read: the device decides first")
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+
 def test_dlpack_producer_without_cupy_names_the_package(monkeypatch):
     """A GPU array with no CuPy installed: an ImportError that says what to install."""
     monkeypatch.setitem(sys.modules, "cupy", None)     # makes `import cupy` fail
     with pytest.raises(ImportError, match=r"pip install 'cupy-rmsnorm\[cuda12\]'"):
-        rn.rms_norm(_NoDevice())
+        rn.rms_norm(_Producer(2))
+
+
+def test_cpu_dlpack_producer_without_cupy_gets_the_device_error(monkeypatch):
+    """A CPU producer on a CPU-only install: the device is what is wrong, not the install."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(ValueError, match=r"^x lives on a non-CUDA device \(DLPack device type 1\)"):
+        rn.rms_norm(_Producer(1))
 
 
 def test_no_driver_says_so(monkeypatch):

@@ -44,7 +44,8 @@ from helpers import (COMPILE_ALL, COMPILE_ARCHS, FULL_ARCH, HIDDEN_SIZES, ITEMSI
                      ptxas_entries, sixteen_bit_share, spill_turns, template_ints)
 
 from cupy_rmsnorm import _compile, launch_plan
-from cupy_rmsnorm._abi import CUDA_TYPES, instantiation_name
+from cupy_rmsnorm._abi import CUDA_TYPES
+from cupy_rmsnorm.ops.forward.launch import instantiation_name
 
 KERNEL_NAME = rb"_ZN7rmsnorm\d+rms_norm_\w+"
 BATCH = 40   # instantiations per NVRTC program at most: programs of a few seconds, even work for the threads

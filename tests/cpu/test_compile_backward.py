@@ -32,8 +32,8 @@ from helpers import (COMPILE_ALL, COMPILE_ARCHS, FULL_ARCH, ITEMSIZE, MANGLED, S
                      spill_turns, template_ints)
 
 from cupy_rmsnorm import backward_plan
-from cupy_rmsnorm._abi import (ADD_GRAD, CUDA_TYPES, DIRECT_WEIGHT, HAS_WEIGHT, LLAMA, WEIGHT_GRAD,
-                              backward_instantiation_name, reduce_instantiation_name, row_kernel_flags)
+from cupy_rmsnorm._abi import ADD_GRAD, CUDA_TYPES, DIRECT_WEIGHT, HAS_WEIGHT, LLAMA, WEIGHT_GRAD, reduce_instantiation_name, row_kernel_flags
+from cupy_rmsnorm.ops.backward.launch import backward_instantiation_name
 
 pytestmark = pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}")
 requires_sm_90 = pytest.mark.skipif(arch_missing("sm_90") is not None,

@@ -18,8 +18,9 @@ import pytest
 from helpers import (COMPILE_ALL, FULL_ARCH, ITEMSIZE, VECS, arch_missing, check_symbols, chunks, compile_program,
                      nvrtc_missing, ptxas_entries, requires_arch)
 
-from cupy_rmsnorm._abi import CUDA_TYPES, qk_rope_backward_instantiation_name, qk_rope_instantiation_name
-from cupy_rmsnorm._plan import qk_rope_backward_plan, qk_rope_plan
+from cupy_rmsnorm._abi import CUDA_TYPES
+from cupy_rmsnorm.ops.qk_rope.launch import qk_rope_backward_instantiation_name, qk_rope_instantiation_name
+from cupy_rmsnorm.ops.qk_rope.launch import qk_rope_backward_plan, qk_rope_plan
 
 pytestmark = [pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}"),
               requires_arch(FULL_ARCH)]

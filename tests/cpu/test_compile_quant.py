@@ -35,7 +35,8 @@ from helpers import (COMPILE_ALL, COMPILE_ARCHS, FULL_ARCH, HIDDEN_SIZES, ITEMSI
                      ptxas_entries, sixteen_bit_share, spill_turns, template_ints)
 
 from cupy_rmsnorm import launch_plan
-from cupy_rmsnorm._abi import CUDA_TYPES, QUANT_FORMS, QUANT_TYPES, quant_instantiation_name
+from cupy_rmsnorm._abi import CUDA_TYPES
+from cupy_rmsnorm.ops.quant.launch import QUANT_FORM_IDS as QUANT_FORMS, QUANT_TYPES, quant_instantiation_name
 from cupy_rmsnorm._plan import QUANT_GROUP
 
 pytestmark = pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}")

@@ -7,7 +7,22 @@ import types
 
 import pytest
 
-from cupy_rmsnorm import _cache, _interop, _launcher
+from cupy_rmsnorm import _cache, _interop, _launcher, _pipeline
+from cupy_rmsnorm.ops.forward import launch as forward_launch
+
+SPECS = {False: _pipeline.REGISTRY["rms_norm"], True: _pipeline.REGISTRY["fused_add_rms_norm"]}
+
+
+class _GenericSpec:
+    """A spec the torch signature keys tensor by tensor (any spec but the forward's five arrays)."""
+    def __init__(self, outputs):
+        self.outputs = tuple(outputs)         # equal to the forward's, but not the same object
+
+    def __eq__(self, other):
+        return True
+
+    def __hash__(self):
+        return 0
 
 
 def _overlaps(pa, extent_a, pb, extent_b):
@@ -25,7 +40,7 @@ def test_overlap_test_is_the_interval_definition(same_ok):
         launcher = types.SimpleNamespace(_overlap_pairs=(pair,))
         for pa, pb in itertools.product(pointers, repeat=2):
             expected = _overlaps(pa, ea, pb, eb) and not (same_ok and pa == pb)
-            assert _launcher.Launcher._overlapping(launcher, (pa, pb)) is expected, (ea, eb, pa, pb)
+            assert forward_launch.Launcher._overlapping(launcher, (pa, pb)) is expected, (ea, eb, pa, pb)
             checked += 1
     assert checked == len(extents) ** 2 * len(pointers) ** 2
 
@@ -35,9 +50,9 @@ def test_overlap_test_checks_every_pair():
     apart = _launcher._apart(0, (0, 8), 1, (0, 8), False)
     same = _launcher._apart(0, (0, 8), 2, (0, 8), True)
     launcher = types.SimpleNamespace(_overlap_pairs=(same, apart))
-    assert not _launcher.Launcher._overlapping(launcher, (100, 200, 100))    # same array: allowed
-    assert _launcher.Launcher._overlapping(launcher, (100, 104, 100))        # the second pair
-    assert _launcher.Launcher._overlapping(launcher, (100, 200, 104))        # the first pair
+    assert not forward_launch.Launcher._overlapping(launcher, (100, 200, 100))    # same array: allowed
+    assert forward_launch.Launcher._overlapping(launcher, (100, 104, 100))        # the second pair
+    assert forward_launch.Launcher._overlapping(launcher, (100, 200, 104))        # the first pair
 
 
 def test_torch_signature_is_the_per_tensor_keys():
@@ -54,14 +69,17 @@ def test_torch_signature_is_the_per_tensor_keys():
                       (x.t(), None, None, None, None), (x.float(), None, w, None, None), (x, None, w.detach(), None, None)]
     keys = set()
     for fused, arrays in itertools.product((False, True), configurations):
-        key = _interop.signature(fused, arrays, 1e-6, 0.0, "fp32")
+        spec = SPECS[fused]
+        key = _interop.signature_of(spec, arrays, (1e-6, 0.0, "fp32", None))
         a, *rest = arrays
         inputs = [None if t is None else _interop._torch_input_key(t) for t in rest[:2]]
         outputs = [None if t is None else _interop._torch_output_key(t) for t in rest[2:]]
         autograd = any(t is not None and t.requires_grad for t in arrays)     # grad mode is on here
         assert _interop.autograd_records(arrays) is autograd
-        assert key == (_interop.TorchKind, fused, 1e-6, 0.0, "fp32", autograd, *_interop._torch_input_key(a),
+        assert key == (_interop.TorchKind, spec, (1e-6, 0.0, "fp32", None), autograd, *_interop._torch_input_key(a),
                        *inputs, *outputs)
+        generic = _interop._torch_signature(_GenericSpec(spec.outputs), arrays, (1e-6, 0.0, "fp32", None))
+        assert generic[3:] == key[3:]      # the forward's inline keys are the per-tensor keys
         keys.add(key)
     assert len(keys) == 2 * len(configurations)
 
@@ -75,7 +93,7 @@ def test_torch_signature_holds_the_modes():
     o = torch.empty_like(x)
 
     def key(*arrays):
-        return _interop.signature(False, arrays + (None,) * (5 - len(arrays)), 1e-6, 0.0, "fp32")
+        return _interop.signature_of(SPECS[False], arrays + (None,) * (5 - len(arrays)), (1e-6, 0.0, "fp32", None))
 
     assert key(x, None, w) != key(x, None, w.detach())       # grad mode on: autograd records the first
     with torch.no_grad():
@@ -103,7 +121,7 @@ def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared():
     import cupy_rmsnorm as rn
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     w = torch.ones(8, dtype=torch.bfloat16)
-    signature = _interop.signature(False, (x, None, w, None, None), 1e-6, 0.0, "fp32")
+    signature = _interop.signature_of(SPECS[False], (x, None, w, None, None), (1e-6, 0.0, "fp32", None))
     seen = []
 
     def entry(arrays):

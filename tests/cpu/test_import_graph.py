@@ -75,9 +75,9 @@ def _cycle(graph):
 
 def test_the_graph_sees_the_package():
     graph = _graph()
-    assert f"{PACKAGE}._call" in graph[f"{PACKAGE}._api"]           # a relative import
-    assert f"{PACKAGE}._call" in graph[f"{PACKAGE}._torch_ops"]
-    assert f"{PACKAGE}._torch_ops" in graph[PACKAGE]                 # inside a function
+    assert f"{PACKAGE}._pipeline" in graph[f"{PACKAGE}.ops.forward"]      # a relative import
+    assert f"{PACKAGE}._torch" in graph[f"{PACKAGE}.ops.forward"]         # inside a function
+    assert f"{PACKAGE}.ops.forward" in graph[f"{PACKAGE}.ops"]            # `from . import forward`
 
 
 def test_no_import_cycle():
@@ -85,13 +85,17 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_the_core_never_imports_the_torch_layer():
+def test_the_shared_layers_never_import_a_family_or_the_torch_layer():
+    """The pipeline, interop, layout, plan and launch layers take a family's spec as data: they
+    import no family, and no torch layer (the families bind their torch ops themselves)."""
     graph = _graph()
-    torch_layer = {f"{PACKAGE}._torch_ops", f"{PACKAGE}.torch"}
+    torch_layer = {f"{PACKAGE}._torch", f"{PACKAGE}.torch"}
     for module, targets in graph.items():
-        if module in torch_layer or module == PACKAGE or module.startswith(f"{PACKAGE}.bench"):
+        if module.startswith((f"{PACKAGE}.ops", f"{PACKAGE}.bench", f"{PACKAGE}.hf")) or module in torch_layer \
+                or module == PACKAGE:
             continue
-        assert not targets & torch_layer, f"{module} imports {targets & torch_layer}"
+        families = {t for t in targets if t.startswith(f"{PACKAGE}.ops")}
+        assert not targets & torch_layer and not families, f"{module} imports {(targets & torch_layer) | families}"
 
 
 def test_the_cycle_finder_finds_one():

@@ -6,6 +6,10 @@ import re
 
 from cupy_rmsnorm import _abi
 from cupy_rmsnorm import _compile
+from cupy_rmsnorm.ops.backward import launch as backward_launch
+from cupy_rmsnorm.ops.qk_rope import launch as qk_rope_launch
+from cupy_rmsnorm.ops.quant import launch as quant_launch
+from cupy_rmsnorm.ops.quant import reference as quant_reference
 
 
 def kernel_source(program=None):
@@ -52,10 +56,11 @@ def test_flags_match_the_kernel():
 
 def test_backward_params_match_the_kernel():
     src = kernel_source("backward")
-    for struct, size_attr, dtype in (("BackwardParams", "BACKWARD_PARAMS_BYTES", _abi.BACKWARD_PARAMS_DTYPE),
-                                     ("ReduceParams", "REDUCE_PARAMS_BYTES", _abi.REDUCE_PARAMS_DTYPE)):
+    for struct, size_attr, dtype, module in (
+            ("BackwardParams", "BACKWARD_PARAMS_BYTES", backward_launch.BACKWARD_PARAMS_DTYPE, backward_launch),
+            ("ReduceParams", "REDUCE_PARAMS_BYTES", _abi.REDUCE_PARAMS_DTYPE, _abi)):
         size = int(re.search(r"static_assert\(sizeof\(%s\) == (\d+)" % struct, src).group(1))
-        assert size == getattr(_abi, size_attr) == dtype.itemsize, struct
+        assert size == getattr(module, size_attr) == dtype.itemsize, struct
         fields = _struct_fields(src, struct)
         assert [f for f, _ in fields] == list(dtype.names), struct
         for name, ctype in fields:
@@ -95,7 +100,7 @@ def test_backward_groups_match_the_plan():
     src = kernel_source("backward")
     assert "constexpr int GROUPS = THREADS_PER_ROW <= 32 ? 256 / THREADS_PER_ROW : 1;" in src
     from cupy_rmsnorm import _plan
-    assert _plan.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32
+    assert backward_launch.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32
 
 
 def test_forward_rows_per_block_match_the_plan():
@@ -123,8 +128,8 @@ def test_zero_weight_offset_reaches_the_kernels_as_negative_zero():
 def test_quant_params_match_the_kernel():
     src = kernel_source()
     size = int(re.search(r"static_assert\(sizeof\(QuantParams\) == (\d+)", src).group(1))
-    dtype = _abi.QUANT_PARAMS_DTYPE
-    assert size == _abi.QUANT_PARAMS_BYTES == dtype.itemsize
+    dtype = quant_launch.QUANT_PARAMS_DTYPE
+    assert size == quant_launch.QUANT_PARAMS_BYTES == dtype.itemsize
     fields = _struct_fields(src, "QuantParams")
     assert [f for f, _ in fields] == list(dtype.names)
     for name, ctype in fields:
@@ -144,28 +149,29 @@ def test_quant_enums_and_constants_match():
     from cupy_rmsnorm import _plan, _reference
     forms = _enum("QuantForm")
     assert forms.pop("kPlain") == 0
-    assert forms == {"kStatic": _abi.QUANT_FORMS["static"], "kPerToken": _abi.QUANT_FORMS["per_token"],
-                     "kPerGroup": _abi.QUANT_FORMS["per_group"]}
+    assert forms == {"kStatic": quant_launch.QUANT_FORM_IDS["static"], "kPerToken": quant_launch.QUANT_FORM_IDS["per_token"],
+                     "kPerGroup": quant_launch.QUANT_FORM_IDS["per_group"]}
     types = _enum("QuantType")
-    assert types == {"kE4M3": _abi.QUANT_TYPES["float8_e4m3fn"], "kE5M2": _abi.QUANT_TYPES["float8_e5m2"],
-                     "kInt8": _abi.QUANT_TYPES["int8"]}
+    assert types == {"kE4M3": quant_launch.QUANT_TYPES["float8_e4m3fn"], "kE5M2": quant_launch.QUANT_TYPES["float8_e5m2"],
+                     "kInt8": quant_launch.QUANT_TYPES["int8"]}
     src = kernel_source()
     for kname, qname in (("kE4M3", "float8_e4m3fn"), ("kE5M2", "float8_e5m2"), ("kInt8", "int8")):
         value = re.search(r"struct QuantMax<%s> \{ static constexpr float value = ([\d.]+)f; \};" % kname, src)
-        assert float(value.group(1)) == _reference.quant_max(qname)
+        assert float(value.group(1)) == quant_reference.quant_max(qname)
     assert int(re.search(r"constexpr int kGroupSize = (\d+);", src).group(1)) == _plan.QUANT_GROUP
-    assert _reference.GROUP_SIZES == (_plan.QUANT_GROUP,)
+    assert quant_reference.GROUP_SIZES == (_plan.QUANT_GROUP,)
     divisor = float(re.search(r"constexpr float kMinScaleDivisor = ([\d.]+)f;", src).group(1))
-    assert divisor == _reference.MIN_SCALE_DIVISOR
+    assert divisor == quant_reference.MIN_SCALE_DIVISOR
 
 
 def test_qk_rope_params_and_flags_match_the_kernel():
     src = kernel_source()
-    for struct, size_attr, dtype in (("QkRopeParams", "QK_ROPE_PARAMS_BYTES", _abi.QK_ROPE_PARAMS_DTYPE),
-                                     ("QkRopeBackwardParams", "QK_ROPE_BACKWARD_PARAMS_BYTES",
-                                      _abi.QK_ROPE_BACKWARD_PARAMS_DTYPE)):
+    for struct, size_attr, dtype, module in (
+            ("QkRopeParams", "QK_ROPE_PARAMS_BYTES", qk_rope_launch.QK_ROPE_PARAMS_DTYPE, qk_rope_launch),
+            ("QkRopeBackwardParams", "QK_ROPE_BACKWARD_PARAMS_BYTES", qk_rope_launch.QK_ROPE_BACKWARD_PARAMS_DTYPE,
+             qk_rope_launch)):
         size = int(re.search(r"static_assert\(sizeof\(%s\) == (\d+)" % struct, src).group(1))
-        assert size == getattr(_abi, size_attr) == dtype.itemsize, struct
+        assert size == getattr(module, size_attr) == dtype.itemsize, struct
         fields = _struct_fields(src, struct)
         assert [f for f, _ in fields] == list(dtype.names), struct
         for name, ctype in fields:
@@ -173,6 +179,6 @@ def test_qk_rope_params_and_flags_match_the_kernel():
         offsets = [dtype.fields[n][1] for n in dtype.names]
         assert offsets == sorted(offsets) and sum(_SIZES[t] for _, t in fields) == size, struct
     flags = _enum("QkRopeFlags")
-    assert flags == _abi.QK_ROPE_FLAGS
+    assert flags == qk_rope_launch.QK_ROPE_FLAGS
     used = set(_abi.FLAGS.values()) | set(_abi.BACKWARD_FLAGS.values())
     assert not set(flags.values()) & used           # one Params.flags word

@@ -10,7 +10,9 @@ import pytest
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _abi
 from cupy_rmsnorm import _layout
-from cupy_rmsnorm._plan import backward_refit_keywords, vector_width
+from cupy_rmsnorm._plan import vector_width
+from cupy_rmsnorm.ops.backward.launch import backward_refit_keywords
+from cupy_rmsnorm.ops.backward import launch as backward_launch
 
 H200_SMS = 132
 A100_SMS = 108
@@ -712,7 +714,7 @@ def test_staged_backward_plan_table(args, expected):
     stage = arrays * hidden * itemsize + 8
     assert p.shared_bytes == p.stages * stage and p.block == p.threads_per_row and p.groups_per_block == 1
     assert p.template_args() == expected[:3] and not p.edges
-    name = _abi.backward_instantiation_name("bfloat16", None, p)
+    name = backward_launch.backward_instantiation_name("bfloat16", None, p)
     assert name == ("rmsnorm::rms_norm_backward_staged_kernel<__nv_bfloat16, __nv_bfloat16, "
                     f"{expected[0]}, {expected[1]}, {expected[2]}>")
 

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from helpers import DTYPES, HOST_ATOL, HOST_RTOL
 
 from cupy_rmsnorm import _reference as R
-from cupy_rmsnorm._reference import rms_norm_gated_backward_reference as gated_backward
-from cupy_rmsnorm._reference import rms_norm_gated_reference as gated
+from cupy_rmsnorm.ops.gated.reference import rms_norm_gated_backward_reference as gated_backward
+from cupy_rmsnorm.ops.gated.reference import rms_norm_gated_reference as gated
+from cupy_rmsnorm.ops.forward import reference as forward_reference
+from cupy_rmsnorm.ops.gated import reference as gated_reference
 
 EPS = 1e-6
 F32 = np.dtype(np.float32)
@@ -425,13 +427,13 @@ def test_saturated_gates_reduce_to_rms_norm(dtype_name, mode):
         for label, wkind, offset in LLAMA_WEIGHTS:
             x, _, w, _ = inputs(rng, (6, hidden), dtype, wkind, offset)
             z = np.full(x.shape, 30, dtype)
-            assert R._activation(np.float32(30), "sigmoid")[0] == 1 and R._activation(np.float32(30), "silu")[0] == 30
+            assert gated_reference._activation(np.float32(30), "sigmoid")[0] == 1 and gated_reference._activation(np.float32(30), "silu")[0] == 30
 
             def plain(v, weight):
                 """rms_norm per group of v (float32 values), y in x's dtype."""
                 if g is None:
-                    return R.rms_norm_reference(v, weight, EPS, offset, mode, out_dtype=dtype)
-                parts = [R.rms_norm_reference(v[..., k:k + g], None if weight is None else weight[k:k + g],
+                    return forward_reference.rms_norm_reference(v, weight, EPS, offset, mode, out_dtype=dtype)
+                parts = [forward_reference.rms_norm_reference(v[..., k:k + g], None if weight is None else weight[k:k + g],
                                               EPS, offset, mode, out_dtype=dtype) for k in range(0, hidden, g)]
                 return np.concatenate(parts, axis=-1)
 

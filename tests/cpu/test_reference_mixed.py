@@ -21,9 +21,10 @@ import torch
 from helpers import DTYPES, HOST_ATOL, HOST_RTOL
 
 from cupy_rmsnorm import _reference as R
-from cupy_rmsnorm._reference import (fused_add_rms_norm_backward_reference, fused_add_rms_norm_quant_reference,
-                                     fused_add_rms_norm_reference, rms_norm_backward_reference,
-                                     rms_norm_quant_reference, rms_norm_reference)
+from cupy_rmsnorm.ops.backward.reference import fused_add_rms_norm_backward_reference, rms_norm_backward_reference
+from cupy_rmsnorm.ops.quant.reference import fused_add_rms_norm_quant_reference, rms_norm_quant_reference
+from cupy_rmsnorm.ops.forward.reference import fused_add_rms_norm_reference, rms_norm_reference
+from cupy_rmsnorm.ops.quant import reference as quant_reference
 
 EPS = 1e-6
 F32 = np.dtype(np.float32)
@@ -243,14 +244,14 @@ def test_quantized_fused_with_a_float32_residual(dtype_name, mode, quant):
     g = quant.get("group_size")
     if "scale" in quant:
         want_scales = quant["scale"]
-        want_q = R.quantize(y, want_scales.reshape(()), qd)
+        want_q = quant_reference.quantize(y, want_scales.reshape(()), qd)
     elif g is None:
-        want_scales = R.dynamic_scales(y, qd)
-        want_q = R.quantize(y, want_scales, qd)
+        want_scales = quant_reference.dynamic_scales(y, qd)
+        want_q = quant_reference.quantize(y, want_scales, qd)
     else:
         grouped = y.reshape(6, 512 // g, g)
-        want_scales = R.dynamic_scales(grouped, qd)
-        want_q = R.quantize(grouped, want_scales, qd).reshape(y.shape)
+        want_scales = quant_reference.dynamic_scales(grouped, qd)
+        want_q = quant_reference.quantize(grouped, want_scales, qd).reshape(y.shape)
         want_scales = want_scales[..., 0]
     np.testing.assert_array_equal(bits(q), bits(want_q))
     np.testing.assert_array_equal(scales, want_scales)

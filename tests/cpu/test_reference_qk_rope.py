@@ -24,6 +24,7 @@ import torch
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _reference as R
+from cupy_rmsnorm.ops.qk_rope import reference as qk_rope_reference
 
 EPS = 1e-6
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -170,7 +171,7 @@ def paired(case, a, cos, sin):
     """Per element of ``a`` (..., heads, head_dim): |a[j] cos[j]| + |a[p] sin[j]|, the
     magnitudes that meet in a rotated element (|a| past rotary_dim)."""
     rd = case.rotary_dim
-    partner, _ = R._rope_pairs(rd, case.is_neox)
+    partner, _ = qk_rope_reference._rope_pairs(rd, case.is_neox)
     scale = np.abs(a).copy()
     scale[..., :rd] = np.abs(a[..., :rd] * cos[..., None, :]) + np.abs(a[..., partner] * sin[..., None, :])
     return scale
@@ -247,7 +248,7 @@ def direct_float32(case, x, w):
     n = (xf * inv_rms).astype(dt).astype(np.float32)
     wf = None if w is None else w.astype(np.float32)
     y = n if w is None else n * (wf + np.float32(case.offset) if case.offset else wf)
-    cos, sin = R.rope_angles(x.shape[:-2], case.rotary_dim, case.is_neox, **case.angles)
+    cos, sin = qk_rope_reference.rope_angles(x.shape[:-2], case.rotary_dim, case.is_neox, **case.angles)
     out = y.copy()
     rd, half = case.rotary_dim, case.rotary_dim // 2
     for j in range(rd):

@@ -9,6 +9,7 @@ from helpers import DTYPES
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _reference as R
+from cupy_rmsnorm.ops.quant import reference as quant_reference
 
 E4M3 = ml_dtypes.float8_e4m3fn
 QUANT = ("float8_e4m3fn", "float8_e5m2", "int8")
@@ -42,29 +43,29 @@ def y_of(x, weight, eps=1e-6, weight_offset=0.0, mode="fp32"):
 def test_fp8_conversion_is_ml_dtypes_rounding_and_saturates(quant_dtype):
     """Every finite FP8 value and every midpoint between neighbours (round to even) converts as
     ml_dtypes converts it; past QMAX (infinities too) it saturates; NaN stays NaN."""
-    dtype, qmax = R.QUANT_DTYPES[quant_dtype]
+    dtype, qmax = quant_reference.QUANT_DTYPES[quant_dtype]
     values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
     finite = np.unique(values[np.isfinite(values)])
     mids = (finite[:-1].astype(np.float64) + finite[1:]) / 2
     probe = np.concatenate([finite, mids.astype(np.float32), np.nextafter(mids.astype(np.float32), np.float32(0))])
-    got = R.quantize(probe, np.float32(1), quant_dtype)
+    got = quant_reference.quantize(probe, np.float32(1), quant_dtype)
     assert np.array_equal(bits(got), bits(probe.astype(dtype)))
     over = np.array([qmax * 1.01, qmax * 2, 1e30, np.inf, -np.inf, -qmax * 3], np.float32)
-    assert np.array_equal(R.quantize(over, np.float32(1), quant_dtype).astype(np.float32),
+    assert np.array_equal(quant_reference.quantize(over, np.float32(1), quant_dtype).astype(np.float32),
                           np.sign(over) * np.float32(qmax))
-    assert np.isnan(R.quantize(np.array([np.nan], np.float32), np.float32(1), quant_dtype).astype(np.float32)).all()
+    assert np.isnan(quant_reference.quantize(np.array([np.nan], np.float32), np.float32(1), quant_dtype).astype(np.float32)).all()
 
 
 def test_int8_rounds_half_to_even_saturates_and_zeroes_nan():
     v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 127.4, 300, -300, np.inf, -np.inf, np.nan], np.float32)
-    assert R.quantize(v, np.float32(1), "int8").tolist() == [0, 2, 2, 0, -2, 126, 127, 127, -127, 127, -127, 0]
+    assert quant_reference.quantize(v, np.float32(1), "int8").tolist() == [0, 2, 2, 0, -2, 126, 127, 127, -127, 127, -127, 0]
 
 
 def test_quantize_multiplies_by_the_float32_reciprocal():
     y = np.float32(np.random.default_rng(1).standard_normal(4096) * 3)
     s = np.float32(0.0123)
     want = np.clip(y * (np.float32(1) / s), -448, 448).astype(E4M3)
-    assert np.array_equal(bits(R.quantize(y, s, "float8_e4m3fn")), bits(want))
+    assert np.array_equal(bits(quant_reference.quantize(y, s, "float8_e4m3fn")), bits(want))
 
 
 # -- the three forms --------------------------------------------------------------------------------
@@ -75,12 +76,12 @@ def test_quantize_multiplies_by_the_float32_reciprocal():
 def test_per_token(quant_dtype, dtype, mode):
     x, w = rand((6, 384), DTYPES[dtype]), rand(384, DTYPES[dtype], 1, 0.3) + DTYPES[dtype].type(1)
     q, scales = rn.rms_norm_quant_reference(x, w, casting_mode=mode, quant_dtype=quant_dtype)
-    qmax = R.quant_max(quant_dtype)
+    qmax = quant_reference.quant_max(quant_dtype)
     y = y_of(x, w, mode=mode)
     amax = np.abs(y).max(-1, keepdims=True)
     assert scales.shape == (6, 1) and scales.dtype == np.float32
-    assert np.array_equal(scales, np.maximum(amax / np.float32(qmax), R.min_scale(quant_dtype)))
-    assert np.array_equal(bits(q), bits(R.quantize(y, scales, quant_dtype)))
+    assert np.array_equal(scales, np.maximum(amax / np.float32(qmax), quant_reference.min_scale(quant_dtype)))
+    assert np.array_equal(bits(q), bits(quant_reference.quantize(y, scales, quant_dtype)))
     assert (np.abs(q.astype(np.float32)).max(-1) == qmax).all()       # the row's max maps to QMAX
     # dequantized: within half a step of the quant dtype (relative 2**-4 for e4m3, 2**-3 e5m2; int8 absolute)
     err = np.abs(q.astype(np.float32) * scales - y)
@@ -92,12 +93,12 @@ def test_per_token(quant_dtype, dtype, mode):
 @pytest.mark.parametrize("quant_dtype", QUANT)
 def test_static_scale_saturates(quant_dtype):
     x = rand((4, 256), np.float16)
-    qmax = R.quant_max(quant_dtype)
+    qmax = quant_reference.quant_max(quant_dtype)
     scale = np.array([1.5 / qmax], np.float32)       # |y| past 1.5 saturates
     q, scales = rn.rms_norm_quant_reference(x, None, scale=scale, quant_dtype=quant_dtype)
     assert scales is not None and np.array_equal(scales, scale)
     y = y_of(x, None)
-    assert np.array_equal(bits(q), bits(R.quantize(y, scale[0], quant_dtype)))
+    assert np.array_equal(bits(q), bits(quant_reference.quantize(y, scale[0], quant_dtype)))
     big = np.abs(y * (np.float32(1) / scale[0])) > qmax
     assert big.any() and (np.abs(q.astype(np.float32))[big] == qmax).all()
 
@@ -118,9 +119,9 @@ def test_per_group(quant_dtype):
     w = rand(512, np.float32, 2)
     q, scales = rn.rms_norm_quant_reference(x, w, group_size=128, quant_dtype=quant_dtype)
     y = y_of(x, w).reshape(2, 3, 4, 128)
-    want = np.maximum(np.abs(y).max(-1) / np.float32(R.quant_max(quant_dtype)), R.min_scale(quant_dtype))
+    want = np.maximum(np.abs(y).max(-1) / np.float32(quant_reference.quant_max(quant_dtype)), quant_reference.min_scale(quant_dtype))
     assert scales.shape == (2, 3, 4) and np.array_equal(scales, want)
-    assert np.array_equal(bits(q), bits(R.quantize(y, want[..., None], quant_dtype).reshape(2, 3, 512)))
+    assert np.array_equal(bits(q), bits(quant_reference.quantize(y, want[..., None], quant_dtype).reshape(2, 3, 512)))
 
 
 def test_zero_rows_give_zeros_and_the_minimum_scale():
@@ -129,7 +130,7 @@ def test_zero_rows_give_zeros_and_the_minimum_scale():
     for kw in ({}, {"group_size": 128}):
         with np.errstate(all="raise"):
             q, scales = rn.rms_norm_quant_reference(x, **kw)
-        assert not bits(q[1]).any() and (scales[1] == R.min_scale("float8_e4m3fn")).all()
+        assert not bits(q[1]).any() and (scales[1] == quant_reference.min_scale("float8_e4m3fn")).all()
 
 
 def test_nan_and_inf_stay_in_their_row():

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="torch op tests: torch is not instal
 
 import cupy_rmsnorm as rn  # noqa: E402
 import cupy_rmsnorm.torch as rnt  # noqa: E402
-from cupy_rmsnorm import _call  # noqa: E402
+from cupy_rmsnorm import _interop, _pipeline  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 OPS = torch.ops.cupy_rmsnorm
@@ -43,7 +43,8 @@ def test_schema(name):
 
 
 def test_importing_the_torch_module_routes_traced_calls():
-    assert _call._compiling is not None
+    assert _interop.TorchKind.compiling is not None
+    assert all(spec.traced is not None for spec in _pipeline.REGISTRY.values())
 
 
 def test_fake_implementations_give_shapes_and_dtypes():

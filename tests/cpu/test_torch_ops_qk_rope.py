@@ -498,13 +498,13 @@ def test_models_without_qk_norm_are_untouched_silently():
 def test_the_call_signature_tells_angles_that_need_a_gradient_apart():
     """A call repeated with only sin (or positions, or the cache) requiring grad must not reuse
     the cached call that skipped the check that angles need none."""
-    from cupy_rmsnorm import _interop
+    from cupy_rmsnorm import _interop, _pipeline
     q, k, w = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.ones(8)
     cos, sin = torch.randn(3, 8), torch.randn(3, 8)
 
     def sig(sin):
         arrays = (q, k, w, w, cos, sin, None, None, None, None)
-        return _interop.qk_rope_signature("qk_norm_rope", arrays, 1e-6, 0.0, "fp32", (8, True))
+        return _interop.signature_of(_pipeline.REGISTRY["qk_norm_rope"], arrays, (1e-6, 0.0, "fp32", 8, True))
     assert sig(sin) == sig(sin.clone()) and sig(sin) is not None
     assert sig(sin) != sig(sin.clone().requires_grad_())
     with torch.no_grad():

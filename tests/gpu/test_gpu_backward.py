@@ -27,7 +27,8 @@ import pytest
 from helpers import DTYPES, gpu_missing, requires_gpu, torch_cuda_missing
 
 import cupy_rmsnorm as rn
-from cupy_rmsnorm import _abi, _cache, _call, _driver, _launcher, _layout
+from cupy_rmsnorm import _abi, _cache, _driver, _launcher, _layout, _pipeline
+from cupy_rmsnorm.ops.backward import launch as backward_launch
 
 if gpu_missing() is None:
     import cupy as cp
@@ -454,8 +455,9 @@ def test_row_kernel_flags_compiled_in(op, dtype_name):
             if heads:                 # the same rows as heads 1 and 3 of (rows, 4, hidden): n_inner 2
                 arrays = {k: None if a is None else place("qkv", cp.stack([a, a], axis=1), a.dtype)
                           for k, a in arrays.items()}
-            b = _layout.BackwardArrays(arrays["dy"], arrays["x"], arrays["d_residual_out"], weight)
-            dx, dw = _call.backward_call(fused, b, EPS, 1.0, mode, weight_grad)
+            spec = _pipeline.REGISTRY["fused_add_rms_norm_backward" if fused else "rms_norm_backward"]
+            b = (arrays["dy"], arrays["x"], arrays["d_residual_out"], weight)
+            dx, dw = _pipeline.call(spec, b, (EPS, 1.0, mode, weight_grad))
             return dx.reshape(rows, -1, hidden)[:, -1], dw
 
         _cache.clear()
@@ -486,7 +488,7 @@ def test_row_kernel_flags_compiled_in(op, dtype_name):
 def backward_launchers():
     """The BackwardLaunchers the signature cache holds (its entries are their bound __call__)."""
     return [entry.__self__ for entry in _cache.launches.values()
-            if isinstance(getattr(entry, "__self__", None), _launcher.BackwardLauncher)]
+            if isinstance(getattr(entry, "__self__", None), backward_launch.BackwardLauncher)]
 
 
 def test_no_rows():

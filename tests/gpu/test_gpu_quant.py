@@ -33,6 +33,8 @@ from helpers import DTYPE_NAMES, DTYPES, gpu_missing, requires_gpu, requires_tor
 
 import cupy_rmsnorm as rn
 from cupy_rmsnorm import _abi, _cache, _reference as R
+from cupy_rmsnorm.ops.quant import launch as quant_launch
+from cupy_rmsnorm.ops.quant import reference as quant_reference
 
 if gpu_missing() is None:
     import cupy as cp
@@ -150,7 +152,7 @@ def run(op, dtype_name, form, quant_dtype, hidden, rows, layout, mode, wkind, wo
     x_h, r_h = make(rng, fused, host_shape, dtype)
     w_h = weight_of(rng, wkind, hidden, dtype, exact)
     eps = 0.0 if exact else 1e-6
-    scale_h = np.array([np.float32(3.0 / R.quant_max(quant_dtype))], np.float32) if form == "static" else None
+    scale_h = np.array([np.float32(3.0 / quant_reference.quant_max(quant_dtype))], np.float32) if form == "static" else None
     ref_kw = dict(scale=scale_h, group_size=128 if form == "per_group" else None, quant_dtype=quant_dtype)
     if fused:
         _, want_s, want_scales = rn.fused_add_rms_norm_quant_reference(x_h, r_h, w_h, eps, woff, mode, **ref_kw)
@@ -163,9 +165,9 @@ def run(op, dtype_name, form, quant_dtype, hidden, rows, layout, mode, wkind, wo
         assert inv != 1.0 or np.array_equal(y, y_with(s_h, w_h, woff, mode, 1.0))
         y = y_with(s_h, w_h, woff, mode, inv)
         if form == "per_token":
-            want_scales = R.dynamic_scales(y, quant_dtype)
+            want_scales = quant_reference.dynamic_scales(y, quant_dtype)
         elif form == "per_group":
-            want_scales = R.dynamic_scales(y.reshape(y.shape[:-1] + (hidden // 128, 128)), quant_dtype)[..., 0]
+            want_scales = quant_reference.dynamic_scales(y.reshape(y.shape[:-1] + (hidden // 128, 128)), quant_dtype)[..., 0]
 
     x = Placed(layout, x_h.reshape(rows, hidden))
     res = Placed(layout, r_h.reshape(rows, hidden)) if fused else None
@@ -327,7 +329,7 @@ def test_nan_inf_and_zero_rows_stay_in_their_row(form):
     assert np.isfinite(got[[0, 4, 5]]).all()
     if form != "static":
         s = cp.asnumpy(cp.ascontiguousarray(scales))
-        assert np.isfinite(s).all() and (s[1:4] == R.min_scale("float8_e4m3fn")).all()
+        assert np.isfinite(s).all() and (s[1:4] == quant_reference.min_scale("float8_e4m3fn")).all()
         assert compare_scales(scales, want_scales, False) is None
 
 
@@ -420,7 +422,7 @@ def test_scales_and_their_inverses_are_the_correctly_rounded_divisions(quant_dty
     from cupy_backends.cuda.libs import nvrtc
 
     from cupy_rmsnorm import _compile
-    name = f"check_scales<{_abi.QUANT_TYPES[quant_dtype]}>"
+    name = f"check_scales<{quant_launch.QUANT_TYPES[quant_dtype]}>"
     module = cp.RawModule(code=_compile.kernel_source() + _SCALE_CHECK,
                           options=_compile.nvrtc_options(nvrtc.getVersion()[0]), name_expressions=[name])
     wrong = cp.zeros(1, cp.uint64)

@@ -1,1 +1,0 @@
-# CUDA sources of cupy_rmsnorm, installed as the package data cupy_rmsnorm/kernels.
