@@ -66,25 +66,20 @@ def _modes(payload):
     return [m for m in MODES if any(r.get("mode", "graph") == m for r in payload["results"])]
 
 
+def _report(payload, markdown=False):
+    sections = [(f"backward, {mode} mode: GPU microseconds per call (medians)", HEADERS,
+                 table_rows([r for r in payload["results"] if r.get("mode", "graph") == mode]), (0, 2, 3), None)
+                for mode in _modes(payload)]
+    intro = [f"copy bandwidth: {payload['meta'].get('copy_GBps', 0):.0f} GB/s"]
+    return common.render_report(payload, "Backward", intro, sections, markdown)
+
+
 def format_report(payload):
-    meta = payload["meta"]
-    parts = [common.format_header(meta), f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s"]
-    for mode in _modes(payload):
-        rows = table_rows([r for r in payload["results"] if r.get("mode", "graph") == mode])
-        parts.append(f"== backward, {mode} mode: GPU microseconds per call (medians)\n"
-                     + common.render_table(HEADERS, rows, left=(0, 2, 3)))
-    parts.append("\n".join(common.notes(payload)))
-    return "\n\n".join(p for p in parts if p)
+    return _report(payload)
 
 
 def format_markdown(payload):
-    meta = payload["meta"]
-    lines = [f"# Backward: {(meta.get('device') or {}).get('gpu', '?')}, copy bandwidth "
-             f"{meta.get('copy_GBps', 0):.0f} GB/s", "", common.format_header(meta).replace("\n", "  \n"), ""]
-    for mode in _modes(payload):
-        rows = table_rows([r for r in payload["results"] if r.get("mode", "graph") == mode])
-        lines += [f"## {mode} mode (GPU microseconds per call, medians)", "", common.markdown_table(HEADERS, rows), ""]
-    return "\n".join(lines + [f"- {n}" for n in common.notes(payload)]) + "\n"
+    return _report(payload, markdown=True)
 
 
 def csv_table(payload):
@@ -183,22 +178,10 @@ def run(args):
         payload["skipped"]["liger"] = liger_why
     common.log(f"backward on {payload['meta']['device']['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; "
                f"liger: {liger_why or 'yes'}")
-    interrupted = False
-    try:
-        for rows, hidden in args.shapes:
-            if time.perf_counter() - started > args.budget_s:
-                payload["skipped"][f"{rows}x{hidden}"] = f"the time budget ({args.budget_s:.0f} s)"
-                continue
-            for dtype in args.dtypes:
-                _measure_shape(torch, timing, args, payload, rows, hidden, dtype, compiled, liger, runner, scratch,
-                               bandwidth)
-            torch.cuda.empty_cache()
-            common.save_partial(args, payload)
-    except KeyboardInterrupt:
-        interrupted = True
-        common.log("interrupted: saving what was measured")
-    payload["meta"]["seconds"] = time.perf_counter() - started
-    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
+    def measure(shape, dtype):
+        _measure_shape(torch, timing, args, payload, *shape, dtype, compiled, liger, runner, scratch, bandwidth)
+    return common.run_sweep(sys.modules[__name__], args, payload, started, args.shapes, lambda s: f"{s[0]}x{s[1]}",
+                            measure)
 
 
 def _measure_shape(torch, timing, args, payload, rows, hidden, dtype_name, compiled, liger, runner, scratch,

@@ -6,6 +6,7 @@ report and redraws its files without a GPU. With no sub-command: ``forward``.
 """
 
 import argparse
+import os
 import sys
 
 from . import backward, common, e2e, forward, gated, qk_rope, quant, timing, train
@@ -47,6 +48,7 @@ def parse_args(argv):
         argv = [DEFAULT] + argv
     parser, parsers = build_parser()
     args = parser.parse_args(argv)
+    args.name_given = args.name
     SUBCOMMANDS[args.command].finish_args(args, parsers[args.command])
     return args
 
@@ -70,6 +72,7 @@ def main(argv=None):
 
 def replot(module, args):
     """--replot: the report of a saved run printed, its Markdown, CSV and charts written."""
+    args.replot = common.report_path(args.replot)
     try:
         payload = common.load_json(args.replot)
         command = payload["meta"]["command"]
@@ -82,7 +85,9 @@ def replot(module, args):
               f"{common.PROG} {command} --replot {args.replot}", file=sys.stderr)
         return common.EXIT_ERROR
     print(module.format_report(payload))
-    for path in common.write_report(module, payload, args.out, args.name, charts=not args.no_chart,
-                                    with_json=False):
+    # named after the report's file (e2e_qwen3.json: e2e_qwen3.md), so two replots never collide
+    name = args.name_given or os.path.splitext(os.path.basename(args.replot))[0]
+    for path in common.write_report(module, payload, args.out, name, charts=not args.no_chart, with_json=False):
         common.log(f"wrote {path}")
+    common.warn_if_dirty(payload["meta"])
     return common.EXIT_OK

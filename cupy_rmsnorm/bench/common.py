@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -160,7 +161,8 @@ def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=
     if repeats is not None:
         parser.add_argument("--repeats", type=positive_int, metavar="N", help=repeats)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
-    parser.add_argument("--name", help="file name stem of the outputs (default: the sub-command's name)")
+    parser.add_argument("--name", help="file name stem of the outputs (default: the sub-command's name; "
+                                       "with --replot, the report's)")
     parser.add_argument("--quick", action="store_true", help="a short run (fewer shapes, repeats, steps)")
     if charts:
         parser.add_argument("--no-chart", action="store_true", help="write no PNG charts")
@@ -195,16 +197,34 @@ def committed_report(command):
     return path if relative.startswith("..") else relative
 
 
+def report_path(path):
+    """A --replot path: as given where it exists from here, else from the top of the checkout
+    holding the library (``benchmarks/results/forward.json`` works from any folder)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    in_checkout = os.path.join(library_root(), path)
+    return in_checkout if os.path.exists(in_checkout) else path
+
+
+def python_command():
+    """How to name this interpreter in a command to copy: ``python`` where that is the one on
+    PATH, else its full path (a venv not activated, an entry point)."""
+    on_path = shutil.which("python")
+    return "python" if on_path and os.path.realpath(on_path) == os.path.realpath(sys.executable) else sys.executable
+
+
 def no_gpu_message(command, reason):
-    """The one line every sub-command prints without a GPU: what is missing, and how to see
-    the committed report instead (or that none is committed yet)."""
+    """The one line every sub-command prints without a GPU: what is missing, and the command
+    that shows the committed report instead, runnable as printed from here (or that none is
+    committed yet)."""
     reason = " ".join(str(reason).split())    # one line, whatever the driver said
     report = committed_report(command)
     if report is None:
         return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). No report of {command} "
                 f"is committed yet (it would be {COMMITTED_RESULTS}/{command}.json)")
+    where = "" if os.path.isfile(report) else " (from the top folder of a checkout of the repository)"
     return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). The committed report: "
-            f"python -m cupy_rmsnorm.bench {command} --replot {report}")
+            f"{python_command()} -m cupy_rmsnorm.bench {command} --replot {report}{where}")
 
 
 # -- optional peers ------------------------------------------------------------------------------
@@ -281,13 +301,30 @@ def nvidia_driver_version():
         return None
 
 
-def run_metadata(command, device, **extra):
-    """The ``meta`` of every report: the commit of the library tree measured (None when it is
-    not a git checkout) and whether it had uncommitted changes, the date, the command line,
-    the device (``timing.device_info()`` and the driver), the versions; then ``extra``."""
+DIRTY_WARNING = ("WARNING: measured from a tree with uncommitted changes: this report does not match its "
+                 "commit; re-run from a clean tree before committing it")
+
+
+def provenance():
+    """What every report records about the library measured: its commit (None where it is not
+    a git checkout), whether that tree had uncommitted changes, and the date; a loud
+    ``warning`` where it had."""
     commit, dirty = git_state(library_root())
-    return {"command": command, "commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "argv": sys.argv[1:], "device": device, "versions": versions(), **extra}
+    out = {"commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return dict(out, warning=DIRTY_WARNING) if dirty else out
+
+
+def run_metadata(command, device, **extra):
+    """The ``meta`` of every report: the command, ``provenance()``, the command line, the
+    device (``timing.device_info()`` and the driver), the versions; then ``extra``."""
+    return {"command": command, **provenance(), "argv": sys.argv[1:], "device": device, "versions": versions(),
+            **extra}
+
+
+def warn_if_dirty(meta):
+    """The dirty-tree warning on stderr, where a report's meta carries it."""
+    if meta.get("dirty"):
+        log(f"{PROG} {meta.get('command', '')}: {DIRTY_WARNING}")
 
 
 def gpu_device():
@@ -332,14 +369,13 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
-def render_table(headers, rows, left=(0,)):
-    """Columns padded to their widest cell; ``left`` columns left-aligned, others right."""
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-
-    def line(cells):
-        return "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+def render_table(headers, rows, left=(0,), markdown=False):
+    """A text table (Markdown with ``markdown``); ``left`` columns left-aligned, others right.
+    Cells are shown as formatted (no number parsing)."""
+    from tabulate import tabulate
+    align = [None if markdown else ("left" if i in left else "right") for i in range(len(headers))]
+    return tabulate(rows, headers, tablefmt="github" if markdown else "simple", disable_numparse=True,
+                    colalign=None if markdown else align)
 
 
 def timing_cells(us, impls, peers):
@@ -358,8 +394,7 @@ def notes(payload):
 
 
 def markdown_table(headers, rows):
-    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+    return render_table(headers, rows, markdown=True)
 
 
 def format_header(meta):
@@ -375,11 +410,14 @@ def format_header(meta):
         lines.append(line)
     commit = meta.get("commit")
     if commit:
-        lines.append(f"commit: {commit}{' (uncommitted changes)' if meta.get('dirty') else ''}")
+        lines.append(f"commit: {commit}{' (uncommitted changes)' if meta.get('dirty') else ''}"
+                     + (f", {meta['date']}" if meta.get("date") else ""))
     elif "commit" in meta:
         lines.append("commit: not recorded" + (f" ({meta['note']})" if meta.get("note") else ""))
     if meta.get("versions"):
         lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    if meta.get("dirty"):
+        lines.append(DIRTY_WARNING)
     return "\n".join(lines)
 
 
@@ -398,7 +436,7 @@ def best_peer_summary(results, peers):
     return f"geomean ours / best peer: {geomean(ratios):.3f} over {len(ratios)} cases" if ratios else ""
 
 
-def sections(results, ops, modes):
+def sections_of(results, ops, modes):
     """{(op, mode, dtype): its records}: passes in ``ops`` order, modes in ``modes`` order, dtypes
     as measured."""
     keys = unique((r["op"], r["mode"], r["dtype"]) for r in results)
@@ -426,28 +464,32 @@ def section_title(spec, key):
     return f"{spec.op_titles[op]}, {mode} mode, {dtype}: GPU microseconds per call (medians)"
 
 
-def sectioned_text(spec, payload):
-    """The console report: header, copy bandwidth and note, a table and summary per section, notes."""
+def render_report(payload, heading, intro, sections, markdown=False):
+    """A report as console text or Markdown: the header, the ``intro`` lines, a table per
+    section ((title, headers, rows, left-aligned columns, summary line)), then the notes;
+    ``heading`` titles the Markdown."""
     meta = payload["meta"]
-    parts = [format_header(meta), f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s; {spec.note}"]
-    for key, rows in sections(payload["results"], tuple(spec.op_titles), spec.modes).items():
-        parts.append(f"== {section_title(spec, key)}\n" + render_table(spec.headers, spec.rows(rows), left=spec.left)
-                     + "\n" + best_peer_summary(rows, spec.peers))
+    if markdown:
+        parts = [f"# {heading}: {(meta.get('device') or {}).get('gpu', '?')}",
+                 format_header(meta).replace("\n", "  \n"), *intro]
+        for title, headers, rows, _, summary in sections:
+            parts += [f"## {title}", render_table(headers, rows, markdown=True), summary]
+        parts.append("\n".join(f"- {n}" for n in notes(payload)))
+        return "\n\n".join(p for p in parts if p) + "\n"
+    parts = [format_header(meta), "; ".join(intro)]
+    for title, headers, rows, left, summary in sections:
+        parts.append(f"== {title}\n{render_table(headers, rows, left=left)}" + (f"\n{summary}" if summary else ""))
     parts.append("\n".join(notes(payload)))
-    return "\n\n".join(p.strip() for p in parts if p)
+    return "\n\n".join(p for p in parts if p)
 
 
-def sectioned_markdown(spec, payload):
-    """The Markdown report: the same sections as ``sectioned_text``."""
-    meta = payload["meta"]
-    lines = [f"# {spec.heading}: {(meta.get('device') or {}).get('gpu', '?')}, copy bandwidth "
-             f"{meta.get('copy_GBps', 0):.0f} GB/s", "", format_header(meta).replace("\n", "  \n"), "",
-             spec.note + ".", ""]
-    for key, rows in sections(payload["results"], tuple(spec.op_titles), spec.modes).items():
-        summary = best_peer_summary(rows, spec.peers)
-        lines += [f"## {section_title(spec, key)}", "", markdown_table(spec.headers, spec.rows(rows)), ""]
-        lines += [summary, ""] if summary else []
-    return "\n".join(lines + [f"- {n}" for n in notes(payload)]) + "\n"
+def sectioned_report(spec, payload, markdown=False):
+    """The report of a table per (pass, mode, dtype) section, each with its best-peer summary."""
+    intro = [f"copy bandwidth: {payload['meta'].get('copy_GBps', 0):.0f} GB/s", spec.note]
+    sections = [(section_title(spec, key), spec.headers, spec.rows(rows), spec.left,
+                 best_peer_summary(rows, spec.peers))
+                for key, rows in sections_of(payload["results"], tuple(spec.op_titles), spec.modes).items()]
+    return render_report(payload, spec.heading, intro, sections, markdown)
 
 
 def sectioned_csv(payload, fields, impls):
@@ -530,9 +572,33 @@ def finish_run(module, args, payload, interrupted=False):
     print(module.format_report(payload))
     for path in written:
         log(f"wrote {path}")
+    warn_if_dirty(payload["meta"])
     if interrupted:
         return EXIT_INTERRUPTED
     return EXIT_OK if payload.get("results") else EXIT_ERROR
+
+
+def run_sweep(module, args, payload, started, items, label, measure):
+    """The loop of the sub-commands that sweep shapes or cases: ``measure(item, dtype)`` for each
+    item and --dtypes entry until --budget-s is spent (later items reported as skipped), the
+    payload saved after each item (a crash keeps what came before); then the report. Ctrl-C
+    ends the loop and writes what was measured."""
+    import torch
+    interrupted = False
+    try:
+        for item in items:
+            if time.perf_counter() - started > args.budget_s:
+                payload["skipped"][label(item)] = f"the time budget ({args.budget_s:.0f} s)"
+                continue
+            for dtype in args.dtypes:
+                measure(item, dtype)
+            torch.cuda.empty_cache()
+            save_partial(args, payload)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: saving what was measured")
+    payload["meta"]["seconds"] = time.perf_counter() - started
+    return finish_run(module, args, payload, interrupted)
 
 
 def record_error(payload, where, e):
@@ -598,7 +664,7 @@ def section_charts(spec, payload, stem, title, impls, label):
     (``title(mode, dtype)``: the chart's title; ``label(record)``: a bar's label)."""
     paths = []
     results = [r for r in payload["results"] if r["us"].get("copy")]
-    by_section = sections(results, tuple(spec.op_titles), spec.modes)
+    by_section = sections_of(results, tuple(spec.op_titles), spec.modes)
     for mode, dtype in unique((r["mode"], r["dtype"]) for r in results):
         groups, labels = [], []
         for (op, m, d), rows in by_section.items():

@@ -4,9 +4,10 @@ CSV, JSON, Markdown and PNG charts. Also the first-call latency in fresh process
 
 import contextlib
 import functools
+import sys
 import time
 
-from . import common, forward_report, peers, progress, timing
+from . import common, forward_report, peers, timing
 
 SUMMARY = "rms_norm and fused_add_rms_norm against their peers (the default)"
 DEFAULT_REPEATS = {"graph": 10, "cold": 30, "hot": 5}
@@ -94,7 +95,7 @@ def run(args):
 
     def log(msg):
         if bar is not None:
-            bar.write(msg)
+            bar.write(msg, file=sys.stderr)   # above the bar
         else:
             common.log(msg)
 
@@ -109,7 +110,10 @@ def run(args):
 
     n_cases = len(args.ops) * len(args.dtypes) * len(args.shapes)
     log(f"sweep: {n_cases} cases x {len(impls)} implementations ({', '.join(impls)}) x {len(args.modes)} modes")
-    bar = progress.ProgressBar(n_cases * len(impls) * len(args.modes))
+    from tqdm import tqdm
+    # into a log file, a line a minute rather than a redraw a second
+    bar = tqdm(total=n_cases * len(impls) * len(args.modes), file=sys.stderr, dynamic_ncols=True,
+               mininterval=1 if sys.stderr.isatty() else 60)
     sweep = Sweep(args, device["sm_count"], device["max_cluster"], copy_gbps, impls, bar, log)
     interrupted = False
     try:
@@ -196,23 +200,23 @@ class Sweep:
         plan = plan_for(case.op, case.tokens, case.hidden, itemsize, self.sm_count, self.max_cluster)
         runner = self.runners[peers.RUNNER_KIND[name]]
         where = f"{case.op} {case.dtype} {case.tokens}x{case.hidden} {name}"
-        bar.update(f"{where} (warm-up)")
+        bar.set_postfix_str(f"{where} (warm-up)")
         t0 = time.perf_counter()
         try:
             fn = peers.build(name, case, compile_mode=args.compile)
             err = peers.warm_up_and_check(case, fn, functools.partial(timing.warm_up, runner))
         except peers.Unsupported as e:
             self._error(where, str(e), quiet=True)
-            bar.advance(len(args.modes))
+            bar.update(len(args.modes))
             return
         except Exception as e:  # noqa: BLE001 - one failing peer must not end the run
             self._error(where, e)
-            bar.advance(len(args.modes))
+            bar.update(len(args.modes))
             return
         finally:
             self.warmup_s[name] = self.warmup_s.get(name, 0.0) + time.perf_counter() - t0
         for mode in args.modes:
-            bar.update(f"{where} {mode}")
+            bar.set_postfix_str(f"{where} {mode}")
             try:
                 calls = 1
                 if mode in args.call_limits:
@@ -237,4 +241,4 @@ class Sweep:
                     self.copy_gbps, calls, args.repeats[mode], mode_err, plan))
             except Exception as e:  # noqa: BLE001
                 self._error(f"{where} {mode}", e)
-            bar.advance()
+            bar.update()

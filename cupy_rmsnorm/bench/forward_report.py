@@ -6,7 +6,7 @@ and ``--replot`` can redraw a saved run.
 
 import dataclasses
 
-from .common import fmt_num, fmt_us, format_header, geomean, markdown_table, render_table
+from .common import fmt_num, fmt_us, format_header, geomean, render_table
 from .peers import COPY, DESCRIPTIONS, IMPLS, IN_PLACE, IN_PLACE_PEERS, OP_TITLES, OPS, OURS, PEERS
 from .timing import MODE_TITLES, MODES
 
@@ -30,16 +30,6 @@ def make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, copy_gbps, ca
 
 
 # -- numbers as text ------------------------------------------------------------------------------
-def fmt_gbps(v):
-    if v is None:
-        return "-"
-    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
-
-
-def fmt_pct(v):
-    return "-" if v is None else f"{v:.1f}"
-
-
 def plan_text(plan):
     """A launch plan in a few characters: ``registers g256 nv2 v8 c1 b256 grid4096``
     (``+edges`` when rows may have a scalar head or tail)."""
@@ -101,7 +91,7 @@ def impls_present(by_shape):
 
 
 # -- console -----------------------------------------------------------------------------------------
-def format_tables(records):
+def format_tables(records, markdown=False):
     """Per mode, op and dtype: our time, GB/s, % of copy bandwidth, our time over each
     other implementation's, the ratio to the best peer, where measured our time over the
     copy of the same bytes and the in-place form's time and ratios, and our launch plan."""
@@ -122,8 +112,8 @@ def format_tables(records):
         for (tokens, hidden), d in by_shape.items():
             ours = d.get("ours")
             row = [f"{tokens}x{hidden}"]
-            row += [fmt_us(ours["us"]), fmt_gbps(ours["GBps"]), fmt_pct(ours["pct_copy"])] if ours else ["-"] * 3
-            row += [f"{ours['us'] / d[n]['us']:.2f}" if ours and n in d else "-" for n in others]
+            row += [fmt_us(ours["us"]), fmt_num(ours["GBps"], 0), fmt_num(ours["pct_copy"], 1)] if ours else ["-"] * 3
+            row += [fmt_num(time_ratio(d, "ours", n)) for n in others]
             best = best_peer(d)
             if ours and best:
                 ratio = ours["us"] / best[1]["us"]
@@ -136,26 +126,27 @@ def format_tables(records):
             copy_ratio = time_ratio(d, "ours", COPY)
             if copy_ratio is not None and tokens * hidden >= LARGE_ELEMENTS:
                 to_copy.append((copy_ratio, f"{tokens}x{hidden}"))
-            plan = next((r.get("plan") for r in d.values() if r.get("plan")), None)
-            row.append(plan_text(plan))
+            row.append(plan_text(next((r.get("plan") for r in d.values() if r.get("plan")), None)))
             rows.append(row)
-        title = f"== {OP_TITLES.get(op, op)}, {dtype}, {MODE_TITLES.get(mode, mode)}"
-        note = "   ratio columns: our time / theirs (below 1: ours is faster)" if others or extra else ""
+        title = f"{OP_TITLES.get(op, op)}, {dtype}, {MODE_TITLES.get(mode, mode)}"
+        notes = ["ratio columns: our time / theirs (below 1: ours is faster)"]
         if COPY in present:
-            note += "; ours/copy: over a device copy of the same bytes in this run"
+            notes.append("ours/copy: over a device copy of the same bytes in this run")
         if "ours_ip" in present:
-            note += "; ip: ours in place (out=x, residual_out=residual)"
-        left = (0, headers.index("vs best peer"), len(headers) - 1)
-        block = [title] + ([note] if note else []) + [render_table(headers, rows, left=left)]
+            notes += ["ip: ours in place (out=x, residual_out=residual)"] + [
+                f"{n}: {DESCRIPTIONS[n]}" for n in present if n in IN_PLACE_PEERS]
         g = geomean(to_best)
         if g is not None:
-            block.append(f"   geomean ours / best peer: {g:.3f}; ours at or below the best peer "
+            notes.append(f"geomean ours / best peer: {g:.3f}; ours at or below the best peer "
                          f"at {wins} of {len(to_best)} shapes")
         if to_copy:
             worst = max(to_copy)
-            block.append(f"   ours / copy at the {len(to_copy)} large shapes (tokens x hidden >= 4096 x 4096): "
+            notes.append(f"ours / copy at the {len(to_copy)} large shapes (tokens x hidden >= 4096 x 4096): "
                          f"geomean {geomean([r for r, _ in to_copy]):.3f}, max {worst[0]:.3f} ({worst[1]})")
-        blocks.append("\n".join(block))
+        left = (0, headers.index("vs best peer"), len(headers) - 1)
+        table = render_table(headers, rows, left=left, markdown=markdown)
+        blocks.append(f"## {title}\n\n{table}\n\n" + "\n".join(f"- {n}" for n in notes) if markdown else
+                      f"== {title}\n{table}\n" + "\n".join(f"   {n}" for n in notes))
     return "\n\n".join(blocks)
 
 
@@ -179,76 +170,14 @@ def format_first_call(first_call):
     return "\n".join(lines)
 
 
-def _markdown_table(head, shapes, ops, cells_of):
-    """``cells_of(op, shape)``: the cells of one op at one shape, after the shape's."""
-    rows = [[f"{shape[0]} x {shape[1]}"] + [c for op in ops for c in cells_of(op, shape)] for shape in shapes]
-    return markdown_table(head, rows).splitlines()
-
-
-def _time_and_best(ours, best):
-    """Markdown cells: ours, the best peer's time (name) and ours / best."""
-    return [fmt_us(ours["us"]) if ours else "-",
-            f"{fmt_us(best[1]['us'])} ({best[0]})" if best else "-",
-            f"{ours['us'] / best[1]['us']:.2f}" if ours and best else "-"]
-
-
-def format_markdown(payload, mode="graph", dtype=None):
-    """Markdown tables for the README, for one mode and dtype (the first measured): per shape
-    and op, our time, the best peer's and the ratio; then, where measured, the copy of the same
-    bytes (and ours over it) and the fused op in place (ours, the best in-place peer, the ratio)."""
-    recs = [r for r in payload["results"] if r["mode"] == mode and (dtype is None or r["dtype"] == dtype)]
-    if not recs:
-        return ""
-    dtype = dtype or recs[0]["dtype"]
-    recs = [r for r in recs if r["dtype"] == dtype]
-    groups = group(recs)
-    ops = [op for op in _order([r["op"] for r in recs], OPS)]
-    shapes = list(dict.fromkeys((r["tokens"], r["hidden"]) for r in recs))
-
-    def at(op, shape):
-        return groups.get((mode, op, dtype), {}).get(shape, {})
-
-    head = ["tokens x hidden"]
-    for op in ops:
-        head += [f"{OP_TITLES.get(op, op)} us", "best peer us", "ours / best"]
-    lines = [f"GPU time per call ({mode} mode, {dtype}, microseconds); ratio below 1: ours is faster.", ""]
-    lines += _markdown_table(head, shapes, ops, lambda op, shape: _time_and_best(
-        at(op, shape).get("ours"), best_peer(at(op, shape))))
-
-    # the second table, for the ops measured with a copy or in place
-    measured = {(r["op"], r["impl"]) for r in recs}
-    has_copy = {op: (op, COPY) in measured for op in ops}
-    has_ip = {op: any((op, n) in measured for n in IN_PLACE) for op in ops}
-    if not any(has_copy.values()) and not any(has_ip.values()):
-        return "\n".join(lines) + "\n"
-
-    def floor_and_in_place(op, shape):
-        d, cells = at(op, shape), []
-        if has_copy[op]:
-            cells += [fmt_us(d[COPY]["us"]) if COPY in d else "-", fmt_num(time_ratio(d, "ours", COPY))]
-        if has_ip[op]:
-            cells += _time_and_best(d.get("ours_ip"), best_peer(d, among=IN_PLACE_PEERS))
-        return cells
-    head = ["tokens x hidden"]
-    for op in ops:
-        title = OP_TITLES.get(op, op)
-        head += [f"{title} copy us", "ours / copy"] if has_copy[op] else []
-        head += [f"{title} in place us", "best in-place peer us", "ip ratio"] if has_ip[op] else []
-    what = []
-    if any(has_copy.values()):
-        what.append("against a device copy of the same bytes measured in the same run (ours / copy: "
-                    "1 is the memory floor)")
-    if any(has_ip.values()):
-        what.append("in place (out=x, residual_out=residual; ip ratio: ours in place / the best "
-                    "in-place peer)")
-    caption = " and ".join(what)
-    lines += ["", f"{caption[0].upper()}{caption[1:]}: {mode} mode, {dtype}, microseconds.", ""]
-    lines += _markdown_table(head, shapes, ops, floor_and_in_place)
-    # what an in-place peer is (Liger's in_place flag is not what its name suggests)
-    shown = [n for n in IN_PLACE_PEERS if any(r["impl"] == n for r in recs)]
-    if shown:
-        lines += [""] + [f"{n}: {DESCRIPTIONS[n]}." for n in shown]
-    return "\n".join(lines) + "\n"
+def format_markdown(payload):
+    """The Markdown report: the console report's parts, its tables in Markdown."""
+    meta = payload.get("meta", {})
+    parts = [f"# Forward: {(meta.get('device') or {}).get('gpu', '?')}",
+             format_header(meta).replace("\n", "  \n"), format_copy_bandwidth(meta),
+             format_first_call(payload.get("first_call")).replace("\n", "  \n"),
+             format_tables(payload.get("results", []), markdown=True)]
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 # -- files ------------------------------------------------------------------------------------------

@@ -213,11 +213,11 @@ REPORT = common.SectionedReport(heading="QK norm + RoPE", note=NOTE, headers=HEA
 
 
 def format_report(payload):
-    return common.sectioned_text(REPORT, payload)
+    return common.sectioned_report(REPORT, payload)
 
 
 def format_markdown(payload):
-    return common.sectioned_markdown(REPORT, payload)
+    return common.sectioned_report(REPORT, payload, markdown=True)
 
 
 def csv_table(payload):
@@ -497,21 +497,9 @@ def run(args):
                f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
                + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
     counts = {}
-    interrupted = False
-    try:
-        for case in todo:
-            if time.perf_counter() - started > args.budget_s:
-                payload["skipped"][describe(case)] = f"the time budget ({args.budget_s:.0f} s)"
-                continue
-            for dtype in args.dtypes:
-                _measure_case(torch, timing, args, payload, case, dtype, impls, runner, scratch, bandwidth, lib, counts)
-            torch.cuda.empty_cache()
-            common.save_partial(args, payload)
-    except KeyboardInterrupt:
-        interrupted = True
-        common.log("interrupted: saving what was measured")
-    payload["meta"]["seconds"] = time.perf_counter() - started
-    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
+    def measure(case, dtype):
+        _measure_case(torch, timing, args, payload, case, dtype, impls, runner, scratch, bandwidth, lib, counts)
+    return common.run_sweep(sys.modules[__name__], args, payload, started, todo, describe, measure)
 
 
 def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runner, scratch, bandwidth, lib, counts):

@@ -92,25 +92,21 @@ def _summary(results):
             f"slower than the best peer: {', '.join(slower) or 'none'}")
 
 
-def format_report(payload):
+def _report(payload, markdown=False):
     meta = payload["meta"]
-    head = (f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s"
-            + (f"; FlashInfer: {meta['flashinfer']}" if meta.get("flashinfer") else ""))
-    table = common.render_table(HEADERS, table_rows(payload["results"]), left=(0, 1, 3))
-    parts = [common.format_header(meta), head,
-             f"== quantized forms, GPU microseconds per call (medians); {BYTES_NOTE}\n{table}",
-             _summary(payload["results"]), "\n".join(common.notes(payload))]
-    return "\n\n".join(p for p in parts if p)
+    intro = [f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s"] + (
+        [f"FlashInfer: {meta['flashinfer']}"] if meta.get("flashinfer") else [])
+    section = (f"quantized forms (FP8 e4m3), GPU microseconds per call (medians); {BYTES_NOTE}", HEADERS,
+               table_rows(payload["results"]), (0, 1, 3), _summary(payload["results"]))
+    return common.render_report(payload, "Quantized forms (FP8 e4m3)", intro, [section], markdown)
+
+
+def format_report(payload):
+    return _report(payload)
 
 
 def format_markdown(payload):
-    meta = payload["meta"]
-    lines = [f"# Quantized forms (FP8 e4m3): {(meta.get('device') or {}).get('gpu', '?')}, copy bandwidth "
-             f"{meta.get('copy_GBps', 0):.0f} GB/s", "", common.format_header(meta).replace("\n", "  \n"), "",
-             f"GPU microseconds per call (medians); {BYTES_NOTE}.", "",
-             common.markdown_table(HEADERS, table_rows(payload["results"])), ""]
-    summary = _summary(payload["results"])
-    return "\n".join(lines + ([summary, ""] if summary else []) + [f"- {n}" for n in common.notes(payload)]) + "\n"
+    return _report(payload, markdown=True)
 
 
 def csv_table(payload):
@@ -226,21 +222,10 @@ def run(args):
     if lib is None:
         payload["skipped"]["flashinfer"] = fi_why
     common.log(f"copy bandwidth {bandwidth:.0f} GB/s; flashinfer: {fi_why or 'yes'}")
-    interrupted = False
-    try:
-        for rows, hidden in args.shapes:
-            if time.perf_counter() - started > args.budget_s:
-                payload["skipped"][f"{rows}x{hidden}"] = f"the time budget ({args.budget_s:.0f} s)"
-                continue
-            for dtype in args.dtypes:
-                _measure_shape(torch, timing, args, payload, lib, rows, hidden, dtype, runner, scratch, bandwidth)
-            torch.cuda.empty_cache()
-            common.save_partial(args, payload)
-    except KeyboardInterrupt:
-        interrupted = True
-        common.log("interrupted: saving what was measured")
-    payload["meta"]["seconds"] = time.perf_counter() - started
-    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
+    def measure(shape, dtype):
+        _measure_shape(torch, timing, args, payload, lib, *shape, dtype, runner, scratch, bandwidth)
+    return common.run_sweep(sys.modules[__name__], args, payload, started, args.shapes, lambda s: f"{s[0]}x{s[1]}",
+                            measure)
 
 
 def _measure_shape(torch, timing, args, payload, lib, rows, hidden, dtype_name, runner, scratch, bandwidth):

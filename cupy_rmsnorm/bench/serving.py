@@ -159,12 +159,6 @@ def measures(step_modes, batches, prefill):
     return out + ([("prefill", "eager", 1)] if prefill else [])
 
 
-def measure_title(measure, mode, batch, context, prefill):
-    if measure == "decode":
-        return f"decode step, batch {batch}, context {context}, {mode}, CUDA graph"
-    return f"prefill {prefill} tokens, batch {batch}, eager"
-
-
 def interleaved_rounds(timers, repeats, log, deadline=None, clock=None):
     """Rounds over ``timers`` ({(measure, mode, batch, variant): fn() -> us}), every timer once
     a round; a timer that raises drops out (reported). Returns (samples, errors, notes)."""

@@ -108,7 +108,7 @@ def test_no_gpu_is_one_line_pointing_to_the_committed_report(command, monkeypatc
     assert out.err.startswith(f"cupy-rmsnorm-bench {command}: no CUDA GPU available, nothing measured "
                               "(CUDARuntimeError: no device (detail))")
     replot = out.err.split("The committed report: ")[1].split()
-    assert replot[:5] == ["python", "-m", "cupy_rmsnorm.bench", command, "--replot"]
+    assert replot[:5] == [common.python_command(), "-m", "cupy_rmsnorm.bench", command, "--replot"]
     where = replot[5] if os.path.exists(replot[5]) else os.path.join(ROOT, replot[5])   # installed: in the repository
     assert os.path.samefile(where, os.path.join(RESULTS, f"{command}.json"))
 
@@ -172,6 +172,33 @@ def test_run_metadata_records_the_commit_of_the_library_measured(monkeypatch):
     assert {"python", "cupy_rmsnorm"} <= set(meta["versions"])
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_report_records_commit_date_and_dirty_and_warns_loudly_when_dirty(command, tmp_path, monkeypatch,
+                                                                                capsys):
+    """One function stamps every sub-command's report; from a tree with uncommitted changes the
+    report says so in its meta, its header (console and Markdown) and on stderr, at the run's
+    end and at a replot."""
+    module = cli.SUBCOMMANDS[command]
+    monkeypatch.setattr(common, "git_state", lambda path: ("c" * 40, True))
+    meta = common.run_metadata(command, {"gpu": "G"})
+    assert meta["commit"] == "c" * 40 and meta["dirty"] is True and len(meta["date"]) >= 19
+    assert meta["warning"] == common.DIRTY_WARNING
+    assert common.DIRTY_WARNING in common.format_header(meta)
+    payload = common.load_json(os.path.join(RESULTS, f"{command}.json"))     # a real report, restamped
+    payload["meta"].update(common.provenance())
+    no_chart = ["--no-chart"] if command != "e2e" else []
+    args = cli.parse_args([command, "--out", str(tmp_path), "--name", "r"] + no_chart)
+    common.finish_run(module, args, payload)
+    err = capsys.readouterr().err
+    assert common.DIRTY_WARNING in err
+    assert cli.main([command, "--replot", str(tmp_path / "r.json"), "--out", str(tmp_path / "re")] + no_chart) == 0
+    assert common.DIRTY_WARNING in capsys.readouterr().err
+    monkeypatch.setattr(common, "git_state", lambda path: ("c" * 40, False))
+    clean = common.run_metadata(command, {"gpu": "G"})
+    assert clean["dirty"] is False and "warning" not in clean
+    assert common.DIRTY_WARNING not in common.format_header(clean)
+
+
 def test_git_state_only_of_the_checkout_holding_the_library(tmp_path):
     assert common.git_state(str(tmp_path)) == (None, None)                 # no repository
     inside = os.path.join(common.library_root(), "cupy_rmsnorm")
@@ -217,18 +244,41 @@ def test_each_committed_report_records_its_commit_or_says_why_not(report):
 
 @pytest.mark.parametrize("report", REPORT_TEXT)
 def test_replot_of_each_committed_report(report, tmp_path, capsys):
-    """--replot prints the report's tables and writes its Markdown and CSV, the very files
-    committed beside the JSON; it never writes the JSON."""
+    """--replot prints the report's tables and writes its Markdown and CSV (the CSV the very file
+    committed beside the JSON); it never writes the JSON."""
     path = os.path.join(RESULTS, f"{report}.json")
     command = common.load_json(path)["meta"]["command"]
     assert cli.main([command, "--replot", path, "--out", str(tmp_path), "--name", "re"]
                     + (["--no-chart"] if command != "e2e" else [])) == 0
     out = capsys.readouterr().out
     assert all(text in out for text in REPORT_TEXT[report]), out[:2000]
-    for ext in ("md", "csv"):
-        with open(os.path.join(RESULTS, f"{report}.{ext}"), encoding="utf-8") as f:
-            assert (tmp_path / f"re.{ext}").read_text(encoding="utf-8") == f.read(), ext
-    assert not (tmp_path / "re.json").exists()
+    with open(os.path.join(RESULTS, f"{report}.csv"), encoding="utf-8") as f:
+        assert (tmp_path / "re.csv").read_text(encoding="utf-8") == f.read()
+    assert (tmp_path / "re.md").is_file() and not (tmp_path / "re.json").exists()
+
+
+def test_replot_resolves_a_repository_path_from_any_folder(tmp_path, monkeypatch, capsys):
+    """``--replot benchmarks/results/X.json``, as the docs and the no-GPU message write it,
+    works from a folder that is not the repository's top."""
+    monkeypatch.chdir(tmp_path)
+    relative = f"{common.COMMITTED_RESULTS}/backward.json"
+    assert cli.main(["backward", "--replot", relative, "--no-chart", "--out", "here"]) == 0
+    assert "16384x8192" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "here")) == ["backward.csv", "backward.md"]
+
+
+def test_replots_of_two_reports_of_one_subcommand_do_not_overwrite_each_other(tmp_path, capsys):
+    """The files of a replot are named after the report's file: e2e.json and e2e_qwen3.json
+    (both e2e reports) give e2e.* and e2e_qwen3.*, side by side; --name still wins."""
+    for report in ("e2e", "e2e_qwen3"):
+        assert cli.main(["e2e", "--replot", os.path.join(RESULTS, f"{report}.json"), "--out", str(tmp_path)]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["e2e.csv", "e2e.md", "e2e_qwen3.csv", "e2e_qwen3.md"]
+    assert "Qwen3" in (tmp_path / "e2e_qwen3.md").read_text() and "Qwen3" not in (tmp_path / "e2e.md").read_text()
+    source = tmp_path / "saved.json"
+    source.write_text(json.dumps(common.load_json(os.path.join(RESULTS, "train.json"))))
+    assert cli.main(["train", "--replot", str(source), "--no-chart", "--out", str(tmp_path / "n")]) == 0
+    assert cli.main(["train", "--replot", str(source), "--no-chart", "--out", str(tmp_path / "n"), "--name", "t"]) == 0
+    assert sorted(os.listdir(tmp_path / "n")) == ["saved.csv", "saved.md", "t.csv", "t.md"]
 
 
 def test_replot_refuses_a_report_of_another_subcommand_and_unreadable_files(tmp_path, capsys):

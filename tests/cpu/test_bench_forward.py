@@ -1,18 +1,16 @@
 """The forward report (``python -m cupy_rmsnorm.bench [forward]``) on the CPU: its arguments,
-byte counts, plans, tables, Markdown, CSV and charts, the progress bar, first-call latency's
+byte counts, plans, best peers, CSV and charts, first-call latency's
 plumbing, and whole runs with the GPU parts replaced by fakes."""
 
 import csv
 import importlib.util
-import io
 import json
-import math
 import os
 import subprocess
 
 import pytest
 
-from cupy_rmsnorm.bench import cli, common, forward, forward_report, peers, progress, timing
+from cupy_rmsnorm.bench import cli, common, forward, forward_report, peers, timing
 
 PLAN = {"variant": "block", "vec": 8, "threads_per_row": 256, "vecs_per_thread": 2,
         "rows_per_block": 1, "block": 256, "grid": 4096}
@@ -178,63 +176,6 @@ def test_make_record_flattens_a_dataclass_plan():
     assert r["plan"]["variant"] == plan.variant and r["plan"]["grid"] == plan.grid
 
 
-def test_plan_text():
-    assert forward_report.plan_text(PLAN) == "block g256 nv2 v8 b256 grid4096"
-    assert forward_report.plan_text(dict(PLAN, cluster=4, edges=True)) == "block g256 nv2 v8 c4 b256 grid4096 +edges"
-    assert forward_report.plan_text(dict(PLAN, extra=3)).endswith("extra=3")
-    assert forward_report.plan_text(None) == "-"
-
-
-def test_number_formats():
-    assert common.fmt_us(1.234) == "1.23" and common.fmt_us(123.45) == "123.5"
-    assert common.fmt_us(12345.6) == "12346" and common.fmt_us(None) == "-"
-    assert forward_report.fmt_gbps(4321.7) == "4322" and forward_report.fmt_gbps(12.34) == "12.3"
-
-
-def test_format_tables_ratios_best_peer_and_geomean():
-    records = [rec("ours", 2.0), rec("liger", 4.0), rec("cupy", 40.0), rec("ours_torch", 2.5),
-               rec("ours", 10.0, tokens=1), rec("liger", 5.0, tokens=1),
-               rec("ours", 3.0, mode="hot"), rec("F.rms_norm", 6.0, mode="hot")]
-    text = forward_report.format_tables(records)
-    graph, hot = text.split("\n\n")
-    assert "rms_norm, bfloat16, graph" in graph and "hot" in hot.splitlines()[0]
-    header = next(line for line in graph.splitlines() if line.startswith("shape"))
-    assert header.split()[:4] == ["shape", "ours", "us", "GB/s"]
-    assert header.index("ours_torch") < header.index("cupy") < header.index("liger")
-    row = next(line for line in graph.splitlines() if line.startswith("4096x4096"))
-    assert "0.50 liger" in row                        # best peer: liger, not ours_torch
-    assert " 0.80 " in row and " 0.05 " in row        # ours/ours_torch, ours/cupy
-    gbps = peers.logical_bytes("rms", 4096, 4096, 2) / 2.0e3
-    assert f"{gbps:.0f}" in row
-    assert "block g256 nv2 v8" in row
-    one = next(line for line in graph.splitlines() if line.startswith("1x4096"))
-    assert "2.00 liger" in one and one.count(" - ") >= 2     # no cupy / ours_torch there
-    assert f"geomean ours / best peer: {math.sqrt(0.5 * 2.0):.3f}" in graph
-    assert "at 1 of 2 shapes" in graph
-    assert "0.50 F.rms_norm" in hot
-
-
-def test_format_tables_without_ours_shows_dashes():
-    text = forward_report.format_tables([rec("liger", 4.0)])
-    row = next(line for line in text.splitlines() if line.startswith("4096x4096"))
-    assert row.split()[1:4] == ["-", "-", "-"]
-    assert "geomean" not in text
-
-
-def table_cells(text, title_part, shape):
-    """{header: cell} of ``shape``'s row in the console table whose title holds ``title_part``
-    (columns found from the dashes under the header)."""
-    block = next(b for b in text.split("\n\n") if title_part in b.splitlines()[0])
-    lines = block.splitlines()
-    i = next(k for k, line in enumerate(lines) if line.startswith("shape"))
-    spans, start = [], 0
-    for run in lines[i + 1].split("  "):
-        spans.append((start, start + len(run)))
-        start += len(run) + 2
-    row = next(line for line in lines if line.startswith(f"{shape} ")).ljust(start)
-    return {lines[i].ljust(start)[a:b].strip(): row[a:b].strip() for a, b in spans}
-
-
 # one run's records at four rms shapes and two fused ones, with the copy and the in-place forms;
 # the copy and liger_ip are faster than liger, so only the rule keeps them from "best peer"
 COPY_AND_IN_PLACE = [
@@ -256,79 +197,9 @@ def test_best_peer_is_never_the_copy_or_an_in_place_form():
     assert forward_report.best_peer(d, among=peers.IN_PLACE_PEERS)[0] == "liger_ip"
 
 
-def test_format_tables_copy_and_in_place_columns():
-    text = forward_report.format_tables(COPY_AND_IN_PLACE)
-    rms = table_cells(text, "rms_norm, bfloat16, graph", "4096x4096")
-    assert rms["ours/copy"] == f"{17 / 16:.2f}" and rms["vs best peer"] == f"{17 / 18:.2f} liger"
-    assert rms["liger"] == f"{17 / 18:.2f}"
-    assert list(rms) == ["shape", "ours us", "GB/s", "%copy", "liger", "vs best peer", "ours/copy", "plan"]
-    assert table_cells(text, "rms_norm, bfloat16", "1x4096")["ours/copy"] == f"{1.2 / 0.8:.2f}"
-    fused = table_cells(text, "fused_add_rms_norm, bfloat16, graph", "4096x4096")
-    assert list(fused) == ["shape", "ours us", "GB/s", "%copy", "liger", "vs best peer", "ours/copy",
-                           "ip us", "ip / liger_ip", "plan"]
-    assert fused["vs best peer"] == f"{34 / 35:.2f} liger"        # not copy, not liger_ip
-    assert fused["ours/copy"] == f"{34 / 32:.2f}" and fused["ip us"] == "30.0"
-    assert fused["ip / liger_ip"] == f"{30 / 33:.2f}"
-    one = table_cells(text, "fused_add_rms_norm", "1x4096")
-    assert (one["ours/copy"], one["ip us"], one["ip / liger_ip"]) == ("-", "1.40", "-")
-    rms_block, fused_block = text.split("\n\n")
-    assert "ip us" not in rms_block and "ip /" not in rms_block     # no in-place column for rms
-    assert "ip us" in fused_block
-    large = (17 / 16, 130 / 125)                                    # 4096x4095 and 1x4096 are not large
-    assert (f"ours / copy at the 2 large shapes (tokens x hidden >= 4096 x 4096): geomean "
-            f"{math.sqrt(large[0] * large[1]):.3f}, max {max(large):.3f} (4096x4096)") in rms_block
-    assert f"at the 1 large shapes (tokens x hidden >= 4096 x 4096): geomean {34 / 32:.3f}" in fused_block
-    assert "ours/copy" not in forward_report.format_tables([rec("ours", 2.0), rec("liger", 4.0)])
-
-
-def test_format_markdown_copy_and_in_place_table():
-    lines = forward_report.format_markdown({"results": COPY_AND_IN_PLACE}).strip().splitlines()
-    assert lines[2] == ("| tokens x hidden | rms_norm us | best peer us | ours / best | fused_add_rms_norm us "
-                        "| best peer us | ours / best |")
-    assert lines[4] == "| 4096 x 4096 | 17.0 | 18.0 (liger) | 0.94 | 34.0 | 35.0 (liger) | 0.97 |"
-    second = lines.index("| tokens x hidden | rms_norm copy us | ours / copy | fused_add_rms_norm copy us "
-                         "| ours / copy | fused_add_rms_norm in place us | best in-place peer us | ip ratio |")
-    assert "same bytes" in lines[second - 2] and "in place" in lines[second - 2]
-    rows = lines[second + 2:second + 6]
-    assert rows == [
-        f"| 4096 x 4096 | 16.0 | {17 / 16:.2f} | 32.0 | {34 / 32:.2f} | 30.0 | 33.0 (liger_ip) | {30 / 33:.2f} |",
-        f"| 16384 x 8192 | 125.0 | {130 / 125:.2f} | - | - | - | - | - |",
-        f"| 1 x 4096 | 0.80 | {1.2 / 0.8:.2f} | - | - | 1.40 | - | - |",
-        f"| 4096 x 4095 | 17.0 | {21 / 17:.2f} | - | - | - | - | - |"]
-    assert lines[-1].startswith("liger_ip: ") and "backward" in lines[-1]
-    only_copy = forward_report.format_markdown({"results": [rec("ours", 2.0), rec("copy", 1.6)]}).strip().splitlines()
-    assert only_copy[-3:] == ["| tokens x hidden | rms_norm copy us | ours / copy |", "|---|---|---|",
-                              "| 4096 x 4096 | 1.60 | 1.25 |"]
-    assert "in place" not in only_copy[-5]
-
-
 def test_charts_draw_the_copy_and_leave_the_in_place_forms_out():
     assert forward_report.chart_impls({"liger_ip", "copy", "liger", "ours_ip", "ours", "cupy"}) == \
         ["ours", "cupy", "liger", "copy"]
-
-
-def test_format_markdown_for_the_readme():
-    records = [rec("ours", 2.0), rec("liger", 4.0), rec("ours", 5.0, op="fused"),
-               rec("torch_compile", 4.0, op="fused"), rec("ours", 1.0, mode="cold")]
-    md = forward_report.format_markdown({"results": records})
-    lines = md.strip().splitlines()
-    assert lines[2].startswith("| tokens x hidden | rms_norm us | best peer us | ours / best | "
-                               "fused_add_rms_norm us")
-    assert lines[4] == "| 4096 x 4096 | 2.00 | 4.00 (liger) | 0.50 | 5.00 | 4.00 (torch_compile) | 1.25 |"
-    assert len(lines) == 5                             # the cold record is not in the graph table
-
-
-def test_copy_bandwidth_and_first_call_text():
-    meta = {"copy_GBps": 4259.4, "copy_bytes": 1 << 30}
-    assert forward_report.format_copy_bandwidth(meta).startswith("copy bandwidth: 4259 GB/s (device-to-device "
-                                                                 "memcpy of 1024 MiB")
-    assert forward_report.format_copy_bandwidth({}) == ""
-    fc = forward_report.format_first_call([
-        {"op": "rms", "dtype": "bfloat16", "tokens": 4096, "hidden": 4096, "empty_cache_ms": 812.4,
-         "warm_cache_ms": 35.25, "second_call_ms": 0.05},
-        {"op": "fused", "dtype": "bfloat16", "tokens": 4096, "hidden": 4096, "error": "boom"}])
-    assert "empty kernel cache 812 ms, warm cache 35.2 ms" in fc
-    assert "fused_add_rms_norm 4096x4096 bfloat16: boom" in fc
 
 
 # -- files --------------------------------------------------------------------------------------
@@ -386,61 +257,6 @@ def test_without_matplotlib_the_files_but_no_chart(tmp_path, monkeypatch, capsys
     written = common.write_report(forward, payload, str(tmp_path), "s")
     assert sorted(os.listdir(tmp_path)) == ["s.csv", "s.json", "s.md"] == sorted(os.path.basename(p) for p in written)
     assert "matplotlib is not installed" in capsys.readouterr().err
-
-
-# -- progress bar --------------------------------------------------------------------------------
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def test_progress_bar_into_a_file_writes_tenths():
-    out, clock = io.StringIO(), Clock()
-    bar = progress.ProgressBar(20, stream=out, tty=False, clock=clock, width=10)
-    for i in range(20):
-        clock.t += 1.0
-        bar.update(f"item {i}")
-        bar.advance()
-    bar.close()
-    lines = out.getvalue().splitlines()
-    assert len(lines) == 10 and "\r" not in out.getvalue()
-    assert lines[0].startswith("[#---------]  2/20  10%") and "0:18 left" in lines[0]
-    assert lines[-1].startswith("[##########] 20/20 100%") and "0:20 elapsed" in lines[-1]
-    assert lines[-1].endswith("item 19")
-
-
-def test_progress_bar_on_a_terminal_redraws_one_line():
-    out = io.StringIO()
-    bar = progress.ProgressBar(4, stream=out, tty=True, clock=Clock(), width=4)
-    bar.update("a")
-    bar.advance(2, label="b")
-    bar.close()
-    text = out.getvalue()
-    assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
-    assert "[##--] 2/4  50%" in text
-
-
-def test_progress_bar_messages_go_above_the_bar():
-    out = io.StringIO()
-    bar = progress.ProgressBar(4, stream=out, tty=True, clock=Clock(), width=4)
-    bar.advance()
-    bar.write("error: something")
-    bar.close()
-    text = out.getvalue()
-    before, after = text.split("error: something\n")
-    assert before.endswith("\r") and "[#---] 1/4" in before       # the bar line was cleared
-    assert after.startswith("\r[#---] 1/4") and after.endswith("\n")  # and redrawn below
-    plain = io.StringIO()
-    progress.ProgressBar(4, stream=plain, tty=False).write("note")
-    assert plain.getvalue() == "note\n"
-
-
-def test_format_duration():
-    assert progress.format_duration(59.6) == "1:00"
-    assert progress.format_duration(3725) == "1:02:05"
 
 
 # -- first-call latency ----------------------------------------------------------------------------
@@ -594,8 +410,8 @@ def test_a_whole_run_with_a_fake_gpu(fake_gpu, tmp_path, capsys):
 
     with open(out_dir / "forward.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(results)
-    md = (out_dir / "forward.md").read_text()
-    assert "| 4096 x 4096 |" in md and "(cupy)" in md
+    md = " ".join((out_dir / "forward.md").read_text().split())   # the cells, whatever their padding
+    assert "| 4096x4096 |" in md and " cupy " in md
     if importlib.util.find_spec("matplotlib"):
         assert (out_dir / "forward_graph_bfloat16.png").is_file()
 
@@ -605,13 +421,14 @@ def test_a_whole_run_with_the_copy_of_the_same_bytes(fake_gpu, tmp_path, capsys)
                    "--shapes", "4096x4096", "4096x255", "--peers", "copy", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert table_cells(out, "rms_norm", "4096x4096")["ours/copy"] == f"{1 / 0.8:.2f}"
+    row = next(line for line in out.splitlines() if line.startswith("4096x4096 "))
+    assert f" {1 / 0.8:.2f} " in row                                         # ours over the copy
     assert "rms bfloat16 4096x255 copy: RuntimeError: copy check" in out      # a failed check is an error
     payload = json.loads((tmp_path / "forward.json").read_text())
     copies = [r for r in payload["results"] if r["impl"] == "copy"]
     assert [(r["hidden"], r["max_abs_err"]) for r in copies] == [(4096, None)]  # no error against the op
-    md = (tmp_path / "forward.md").read_text()
-    assert f"| 4096 x 4096 | {forward_report.fmt_us(0.8 * (1 + 4096 * 4096 / 1e6))} | {1 / 0.8:.2f} |" in md
+    md = " ".join((tmp_path / "forward.md").read_text().split())
+    assert "| ours/copy |" in md and f"| {1 / 0.8:.2f} |" in md
 
 
 def test_replot_redraws_a_saved_run(fake_gpu, tmp_path, capsys):

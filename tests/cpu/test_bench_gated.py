@@ -288,8 +288,8 @@ def test_files(tmp_path):
     assert rows[1]["layout"] == "rows" and rows[1]["group_size"] == "1024" and rows[1]["width"] == "8192"
     assert rows[1]["fla_us"] == "" and rows[1]["ours_us"] == "10.000" and rows[0]["fla_err"] == "3.000e-03"
     assert rows[0]["hf_err"] == "" and "copy_err" not in rows[0]
-    md = (tmp_path / "g.md").read_text()
-    assert md.startswith("# Gated RMSNorm: Fake GPU, copy bandwidth 4000 GB/s")
+    md = " ".join((tmp_path / "g.md").read_text().split())   # the cells, whatever their padding
+    assert md.startswith("# Gated RMSNorm: Fake GPU") and "copy bandwidth: 4000 GB/s" in md
     assert "## backward, cold mode, bfloat16: GPU microseconds per call (medians)" in md
     assert ("| 4096x32x128 | - | norm-gate | 10.00 | 9.00 | 20.00 | - | 12.50 | 40.00 | 8.00 | 0.800 | 1.250 "
             "| 5.0e-03 |") in md

@@ -185,10 +185,10 @@ def test_a_sweep_checks_times_and_restores_the_in_place_form(monkeypatch):
                            "--repeats", "2"])
 
     class Bar:
-        def update(self, label):
+        def set_postfix_str(self, label):
             pass
 
-        def advance(self, n=1):
+        def update(self, n=1):
             pass
     errors = []
     measured = forward.Sweep(args, 132, 8, 4000.0, ["ours", "ours_ip"], Bar(), errors.append)
