@@ -1,10 +1,12 @@
 """Compiling the CUDA templates: the programs, NVRTC's options, and the per-device cache of
 compiled kernels.
 
-Each program is one file of ``kernels/`` (``"forward"``: ``rms_norm.cu``, the plain, fused
-and quantized forward kernels; ``"backward"``: ``rms_norm_backward.cu``; ``"gated"``:
-``rms_norm_gated.cu``, the gated forward and backward; ``"qk_rope"``: ``qk_norm_rope.cu``, QK
-norm + RoPE forward and backward), which includes the shared device code (``*.cuh``) through
+Each program is one file of ``kernels/``, a family's forward in ``<family>.cu`` and its
+backward in ``<family>_backward.cu`` (``"forward"``: ``rms_norm.cu``, the plain, fused and
+quantized forward kernels; ``"backward"``: ``rms_norm_backward.cu``; ``"gated"`` and
+``"gated_backward"``: ``rms_norm_gated.cu`` and ``rms_norm_gated_backward.cu``; ``"qk_rope"``
+and ``"qk_rope_backward"``: ``qk_norm_rope.cu`` and ``qk_norm_rope_backward.cu``), which
+includes the shared device code (``*.cuh``) through
 NVRTC's include path. Each (storage type, weight type, plan, ...) is an instantiation, compiled
 the first time a call needs it on a device and kept in ``kernel_cache`` as a launchable
 function. CuPy's disk cache keeps the binaries
@@ -26,7 +28,8 @@ NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_bf16.h"
 
 PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu", "gated": "rms_norm_gated.cu",
-            "qk_rope": "qk_norm_rope.cu"}
+            "gated_backward": "rms_norm_gated_backward.cu", "qk_rope": "qk_norm_rope.cu",
+            "qk_rope_backward": "qk_norm_rope_backward.cu"}
 KERNEL_SUFFIXES = (".cu", ".cuh")
 
 

@@ -1,9 +1,11 @@
-// Device code the backward programs share (rms_norm_backward.cu, rms_norm_gated.cu): a row's
-// two sums and its statistics, the block's row of dweight partial sums, and the kernel that
-// adds the partial rows in a fixed order (no float atomics: the same bits every run).
+// Device code the backward programs share (rms_norm_backward.cu, rms_norm_gated_backward.cu,
+// qk_norm_rope_backward.cu): a row's statistics from its two sums (reduce.cuh: row_sums), the
+// block's row of dweight partial sums, and the kernel that adds the partial rows in a fixed
+// order (no float atomics: the same bits every run).
 #pragma once
 
 #include "common.cuh"
+#include "reduce.cuh"
 
 namespace rmsnorm {
 
@@ -18,46 +20,6 @@ template <typename T>
 __device__ __forceinline__ float xhat_for_weight(float xf, float inv_rms, int flags) {
     const float n = xf * inv_rms;
     return (flags & kLlama) ? to_float(from_float<T>(n)) : n;
-}
-
-// Sums of (a[j], b[j]) over a row group, for ROWS rows at once: warp shuffles, then
-// (THREADS_PER_ROW > 32, one group per block) the block's warps through shared memory, each
-// warp's sum read by lanes warp, warp + WARPS, ... so that log2(WARPS) butterflies give every
-// lane the total (the tree of 32 lanes with zeros past WARPS, less its additions of zero,
-// which are a row's chain of latency with one row a block). `parity`
-// alternates step by step, so one __syncthreads per step suffices (a buffer is written again
-// only two steps later, after every thread has passed the next step's barrier, hence read
-// this one). Each row's sums take the same operations in the same order whatever ROWS is.
-template <int THREADS_PER_ROW, int ROWS>
-__device__ __forceinline__ void row_sums(float (&a)[ROWS], float (&b)[ROWS], int parity) {
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-        a[j] = group_sum<THREADS_PER_ROW>(a[j]);
-        b[j] = group_sum<THREADS_PER_ROW>(b[j]);
-    }
-    if (THREADS_PER_ROW > 32) {
-        constexpr int WARPS = THREADS_PER_ROW > 32 ? THREADS_PER_ROW / 32 : 1;
-        __shared__ float2 warp_sums[2][ROWS][WARPS];
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j)
-            if (lane == 0) warp_sums[parity][j][warp] = make_float2(a[j], b[j]);
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-            const float2 s = warp_sums[parity][j][lane % WARPS];
-            a[j] = group_sum<WARPS>(s.x);
-            b[j] = group_sum<WARPS>(s.y);
-        }
-    }
-}
-
-template <int THREADS_PER_ROW>
-__device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
-    float as[1] = {a}, bs[1] = {b};
-    row_sums<THREADS_PER_ROW, 1>(as, bs, parity);
-    a = as[0];
-    b = bs[0];
 }
 
 // v / hidden. For a power of two the product with its reciprocal 2^-k is the same correctly

@@ -1,5 +1,5 @@
 // Device code every kernel program shares: storage types and 16-byte vectors, row
-// addressing, weights, warp sums, cluster barriers and programmatic dependent launch.
+// addressing, weights, cluster barriers and programmatic dependent launch.
 //
 // The kernels' ABI (the Params structs, flags and enums below and in the programs) is
 // mirrored on the host by cupy_rmsnorm/_abi.py; a CPU test reads both sides.
@@ -80,14 +80,6 @@ template <bool FLAT>
 __device__ __forceinline__ long long row_offset(long long outer, long long inner, const RowStrides& s) {
     if (FLAT) return (int)outer * (int)s.outer;
     return outer * s.outer + inner * s.inner;
-}
-
-// Sum over the LANES lanes of a group (a power of two; at most a warp's 32 take part).
-template <int LANES>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = (LANES < 32 ? LANES : 32) / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 
 __host__ __device__ constexpr int log2_of(int n) { return n > 1 ? 1 + log2_of(n / 2) : 0; }

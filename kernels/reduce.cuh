@@ -1,4 +1,5 @@
-// The sum of squares: one canonical tree per hidden size.
+// A row's total from its threads' partial sums (the row-total ladder, at the end): the
+// forward's sum of squares in one canonical tree per hidden size, and the backward's sums.
 //
 // A row's sum of squares is a complete binary tree over the element index j, padded with
 // zeros to a power of two, adding low index bits first. Threads hold the row in the strided
@@ -139,7 +140,7 @@ __device__ __forceinline__ float cluster_total(float (&p)[SLOTS], bool first_rou
 // as zeros); the sum per slot over the warps, then over the cluster's blocks, then the slots'
 // tree. Every warp computes it, lane l reading warp l % WARPS (the same total in every thread).
 template <int SLOTS, int WARPS, int CLUSTER>
-__device__ __forceinline__ float block_total(const float (&warp_sums)[SLOTS][WARPS], int count, bool first_round) {
+__device__ __forceinline__ float block_total(const float (*warp_sums)[WARPS], int count, bool first_round) {
     const int w = threadIdx.x % WARPS;
     float p[SLOTS];
 #pragma unroll
@@ -211,6 +212,125 @@ __device__ __forceinline__ float fold_epochs(const float* levels, int count) {
     for (int k = 0; (count >> k) != 0; ++k)
         if ((count >> k) & 1) t = levels[k] + t;
     return t;
+}
+
+// ---- The row-total ladder ------------------------------------------------------------------
+// Every kernel turns its threads' partial sums into a row's total through these: the lanes
+// (xor butterflies), the block's warps through shared memory (THREADS_PER_ROW > 32), the
+// cluster's blocks through distributed shared memory (CLUSTER > 1). Two orders, each fixed:
+// the forward's canonical tree (row_total) and the backward's sums (row_sums, below).
+
+// The canonical total of a row held in registers: part[i] is the squares of this thread's
+// vector i. warp_sums (the caller's shared memory, SLOTS x WARPS) is needed past 32 threads a
+// row. Every thread of the group gets the total. Clusters: first_round as for cluster_total.
+template <int SLOTS, int THREADS_PER_ROW, int CLUSTER = 1, int WARPS = 1>
+__device__ __forceinline__ float row_total(float (&part)[SLOTS], float (*warp_sums)[WARPS] = nullptr) {
+    using Lanes = SlotSums<SLOTS, (THREADS_PER_ROW < 32 ? THREADS_PER_ROW : 32)>;
+    Lanes::over_lanes(part);
+    if constexpr (THREADS_PER_ROW <= 32) {
+        return Lanes::slot_tree(part);
+    } else {                                     // one row per block: on to the warps
+        static_assert(WARPS == THREADS_PER_ROW / 32, "warp_sums: a column per warp");
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+        for (int r = 0; r < Lanes::KEPT; ++r)
+            if (lane < Lanes::HOLDERS) warp_sums[Lanes::held(lane, r)][warp] = part[r];
+        __syncthreads();
+        return block_total<SLOTS, WARPS, CLUSTER>(warp_sums, SLOTS, true);
+    }
+}
+
+// The canonical total of a streamed row (a block or a cluster a row), BATCH steps at a time:
+// batch(step, part) sets part[k] to this thread's squares of step `step + k`. Every thread of
+// the block calls it and gets the total.
+template <int BATCH, int WARPS, int CLUSTER, typename Batch>
+__device__ __forceinline__ float row_total(int steps, float (&warp_sums)[kEpoch][WARPS], const Batch& batch) {
+    static_assert(kEpoch % BATCH == 0, "epochs of whole batches");
+    using Lanes = SlotSums<BATCH, 32>;
+    __shared__ float epoch_levels[kEpochLevels], folded;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float total = 0.f;
+#pragma unroll 1
+    for (int e0 = 0; e0 < steps; e0 += kEpoch) {
+        const int count = min(kEpoch, steps - e0);
+#pragma unroll 1
+        for (int b0 = 0; b0 < count; b0 += BATCH) {
+            float part[BATCH];
+            batch(e0 + b0, part);
+            Lanes::over_lanes(part);
+            if (lane < BATCH) warp_sums[b0 + Lanes::held(lane, 0)][warp] = part[0];
+        }
+        __syncthreads();
+        const float t = epoch_total<WARPS, CLUSTER>(warp_sums, count, e0 == 0);
+        if (steps <= kEpoch) total = t;          // one epoch: the usual case
+        else if (threadIdx.x == 0) push_epoch(epoch_levels, e0 / kEpoch, t);
+    }
+    if (steps > kEpoch) {
+        if (threadIdx.x == 0) folded = fold_epochs(epoch_levels, steps / kEpoch + (steps % kEpoch != 0));
+        __syncthreads();
+        total = folded;
+    }
+    return total;
+}
+
+// Sum over the LANES lanes of a group (a power of two; at most a warp's 32 take part), high
+// bits first: the backward's order.
+template <int LANES>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = (LANES < 32 ? LANES : 32) / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The backward's sums of (a[j], b[j]) over a row group, for ROWS rows at once: each over the
+// lanes, then (THREADS_PER_ROW > 32, one group per block) the block's warps through
+// warp_sums, each warp's sum read by lanes warp, warp + WARPS, ... so that log2(WARPS)
+// butterflies give every lane the total (the tree of 32 lanes with zeros past WARPS, less its
+// additions of zero, which are a row's chain of latency with one row a block). Not the
+// canonical tree: the backward recomputes inv_rms in this order of its own. `reads` false:
+// this thread skips the warps' level (its a, b keep their warp's sums). Each row's sums take
+// the same operations in the same order whatever ROWS is.
+template <int THREADS_PER_ROW, int ROWS, int WARPS>
+__device__ __forceinline__ void row_sums(float (&a)[ROWS], float (&b)[ROWS], float2 (&warp_sums)[ROWS][WARPS],
+                                         bool reads) {
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        a[j] = group_sum<THREADS_PER_ROW>(a[j]);
+        b[j] = group_sum<THREADS_PER_ROW>(b[j]);
+    }
+    if (THREADS_PER_ROW > 32) {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j)
+            if (lane == 0) warp_sums[j][warp] = make_float2(a[j], b[j]);
+        __syncthreads();
+        if (reads) {
+#pragma unroll
+            for (int j = 0; j < ROWS; ++j) {
+                const float2 s = warp_sums[j][lane % WARPS];
+                a[j] = group_sum<WARPS>(s.x);
+                b[j] = group_sum<WARPS>(s.y);
+            }
+        }
+    }
+}
+
+// The same with a buffer of its own: `parity` alternates step by step, so one __syncthreads
+// per step suffices (a buffer is written again only two steps later, after every thread has
+// passed the next step's barrier, hence read this one).
+template <int THREADS_PER_ROW, int ROWS>
+__device__ __forceinline__ void row_sums(float (&a)[ROWS], float (&b)[ROWS], int parity) {
+    constexpr int WARPS = THREADS_PER_ROW > 32 ? THREADS_PER_ROW / 32 : 1;
+    __shared__ float2 warp_sums[2][ROWS][WARPS];
+    row_sums<THREADS_PER_ROW, ROWS, WARPS>(a, b, warp_sums[parity], true);
+}
+
+template <int THREADS_PER_ROW>
+__device__ __forceinline__ void row_sums(float& a, float& b, int parity) {
+    float as[1] = {a}, bs[1] = {b};
+    row_sums<THREADS_PER_ROW, 1>(as, bs, parity);
+    a = as[0];
+    b = bs[0];
 }
 
 }  // namespace rmsnorm

@@ -125,7 +125,6 @@ __device__ __forceinline__ void norm_row(const T* x, const R* res, O* y, R* res_
     const VecR* rv = reinterpret_cast<const VecR*>(rb);
     VecR* rov = reinterpret_cast<VecR*>(rob);
     const int tail_at = n_body * VEC;            // the tail's start, from the body's
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
     // q (out's row strides) and the row's scales: their addresses here, not at the end of the
     // row, where the compiler recomputed the row's index from the thread's for them
@@ -185,84 +184,53 @@ __device__ __forceinline__ void norm_row(const T* x, const R* res, O* y, R* res_
             }
             if (has_head) part[0] += head_ss;
         }
-        using Lanes = SlotSums<SLOTS, (THREADS_PER_ROW < 32 ? THREADS_PER_ROW : 32)>;
-        Lanes::over_lanes(part);
-        if (THREADS_PER_ROW <= 32) {
-            total = Lanes::slot_tree(part);
-        } else {                                 // one row per block: on to the warps
-#pragma unroll
-            for (int r = 0; r < Lanes::KEPT; ++r)
-                if (lane < Lanes::HOLDERS) warp_sums[Lanes::held(lane, r)][warp] = part[r];
-            __syncthreads();
-            total = block_total<SLOTS, WARPS, CLUSTER>(warp_sums, SLOTS, true);
-        }
+        total = row_total<SLOTS, THREADS_PER_ROW, CLUSTER>(part, warp_sums);
     } else {
-        // Streamed: an unbounded number of steps i. BATCH steps at a time are summed over the
-        // lanes; their warp sums wait in shared memory for the rest of an epoch of kEpoch steps.
+        // Streamed: an unbounded number of steps i, BATCH at a time (reduce.cuh: row_total).
         constexpr int BATCH = FUSED ? 2 : 4;   // (FUSED: two arrays' loads in flight)
-        static_assert(kEpoch % BATCH == 0, "epochs of whole batches");
-        using Lanes = SlotSums<BATCH, 32>;
-        __shared__ float epoch_levels[kEpochLevels], row_total;
         const int n_vec = n_body + (tail > 0);   // vectors, the tail's included
         const int steps = n_vec / STEP + (n_vec % STEP != 0);
         const float head_ss = has_head ? square(load_scalar<T, R, FUSED>(xb, rb, rob, tid - head)) : 0.f;
-#pragma unroll 1
-        for (int e0 = 0; e0 < steps; e0 += kEpoch) {
-            const int count = min(kEpoch, steps - e0);
-#pragma unroll 1
-            for (int b0 = 0; b0 < count; b0 += BATCH) {
-                const unsigned v0 = first + unsigned(e0 + b0) * STEP;   // (unsigned: no overflow past the row)
-                // Issue the batch's loads before the first use; unchecked where the whole batch
-                // is in the row (all but the last), so that they can all go out at once.
-                const bool whole = active && v0 + (BATCH - 1) * STEP < unsigned(n_body);
-                VecT a[BATCH];
-                VecR b[FUSED ? BATCH : 1];
-                if (whole) {
+        total = row_total<BATCH, WARPS, CLUSTER>(steps, warp_sums, [&](int step, float (&part)[BATCH]) {
+            const unsigned v0 = first + unsigned(step) * STEP;   // (unsigned: no overflow past the row)
+            // Issue the batch's loads before the first use; unchecked where the whole batch
+            // is in the row (all but the last), so that they can all go out at once.
+            const bool whole = active && v0 + (BATCH - 1) * STEP < unsigned(n_body);
+            VecT a[BATCH];
+            VecR b[FUSED ? BATCH : 1];
+            if (whole) {
 #pragma unroll
-                    for (int k = 0; k < BATCH; ++k) { a[k] = xv[v0 + k * STEP]; if (FUSED) b[FUSED ? k : 0] = rv[v0 + k * STEP]; }
-                } else {
-#pragma unroll
-                    for (int k = 0; k < BATCH; ++k) {
-                        const unsigned v = v0 + k * STEP;
-                        if (active && v < unsigned(n_body)) {
-                            a[k] = xv[v];
-                            if (FUSED) b[FUSED ? k : 0] = rv[v];
-                        } else if (EDGES && has_tail && v == unsigned(n_body)) {
-                            a[k] = load_partial<T, VEC>(xb + tail_at, tail);
-                            if (FUSED) b[FUSED ? k : 0] = load_partial<R, VEC>(rb + tail_at, tail);
-                        }
-                    }
-                }
-                float part[BATCH];
+                for (int k = 0; k < BATCH; ++k) { a[k] = xv[v0 + k * STEP]; if (FUSED) b[FUSED ? k : 0] = rv[v0 + k * STEP]; }
+            } else {
 #pragma unroll
                 for (int k = 0; k < BATCH; ++k) {
                     const unsigned v = v0 + k * STEP;
-                    const bool is_tail = EDGES && !whole && has_tail && v == unsigned(n_body);
-                    part[k] = e0 + b0 + k == 0 ? head_ss : 0.f;
-                    if (whole || (active && v < unsigned(n_body)) || is_tail) {
-                        if constexpr (FUSED) {
-                            const VecR s = rounded_sum(a[k], b[k]);
-                            if (is_tail) store_partial<R, VEC>(rob + tail_at, s, tail);
-                            else rov[v] = s;
-                            part[k] += vector_squares<R, VEC>(s);
-                        } else {
-                            part[k] += vector_squares<T, VEC>(a[k]);
-                        }
+                    if (active && v < unsigned(n_body)) {
+                        a[k] = xv[v];
+                        if (FUSED) b[FUSED ? k : 0] = rv[v];
+                    } else if (EDGES && has_tail && v == unsigned(n_body)) {
+                        a[k] = load_partial<T, VEC>(xb + tail_at, tail);
+                        if (FUSED) b[FUSED ? k : 0] = load_partial<R, VEC>(rb + tail_at, tail);
                     }
                 }
-                Lanes::over_lanes(part);
-                if (lane < BATCH) warp_sums[b0 + Lanes::held(lane, 0)][warp] = part[0];
             }
-            __syncthreads();
-            const float t = epoch_total<WARPS, CLUSTER>(warp_sums, count, e0 == 0);
-            if (steps <= kEpoch) total = t;      // one epoch: the usual case
-            else if (threadIdx.x == 0) push_epoch(epoch_levels, e0 / kEpoch, t);
-        }
-        if (steps > kEpoch) {
-            if (threadIdx.x == 0) row_total = fold_epochs(epoch_levels, steps / kEpoch + (steps % kEpoch != 0));
-            __syncthreads();
-            total = row_total;
-        }
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) {
+                const unsigned v = v0 + k * STEP;
+                const bool is_tail = EDGES && !whole && has_tail && v == unsigned(n_body);
+                part[k] = step + k == 0 ? head_ss : 0.f;
+                if (whole || (active && v < unsigned(n_body)) || is_tail) {
+                    if constexpr (FUSED) {
+                        const VecR s = rounded_sum(a[k], b[k]);
+                        if (is_tail) store_partial<R, VEC>(rob + tail_at, s, tail);
+                        else rov[v] = s;
+                        part[k] += vector_squares<R, VEC>(s);
+                    } else {
+                        part[k] += vector_squares<T, VEC>(a[k]);
+                    }
+                }
+            }
+        });
     }
     if (!active) return;                         // (never with a cluster: it shares one row)
     const float inv_rms = rsqrtf(total / (float)hidden + p.eps);

@@ -23,7 +23,9 @@
 // by bulk copies ahead of use, so that more bytes are in flight than registers can hold.
 
 #include "common.cuh"
+#include "reduce.cuh"
 #include "backward.cuh"
+#include "staging.cuh"
 
 namespace rmsnorm {
 
@@ -99,23 +101,12 @@ __device__ __forceinline__ void row_stats(float (&a)[ROWS], float (&b)[ROWS], in
     constexpr int WARPS = THREADS_PER_ROW / 32;
     __shared__ float2 warp_sums[ROWS][WARPS];
     __shared__ float2 stats[ROWS];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-        a[j] = group_sum<THREADS_PER_ROW>(a[j]);
-        b[j] = group_sum<THREADS_PER_ROW>(b[j]);
-    }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j)
-        if (lane == 0) warp_sums[j][warp] = make_float2(a[j], b[j]);
-    __syncthreads();
+    row_sums<THREADS_PER_ROW, ROWS, WARPS>(a, b, warp_sums, warp == 0);
     if (warp == 0) {
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-            const float2 s = warp_sums[j][lane % WARPS];
-            const float ss = group_sum<WARPS>(s.x), sgx = group_sum<WARPS>(s.y);
-            if (lane == 0) stats[j] = row_statistics(ss, sgx, hidden, eps);
-        }
+        for (int j = 0; j < ROWS; ++j)
+            if (lane == 0) stats[j] = row_statistics(a[j], b[j], hidden, eps);
     } else {
         between();
     }
@@ -439,59 +430,15 @@ rms_norm_backward_row_kernel(const T* dy, const T* x, const T* d_residual_out, T
 // block, two blocks per SM for rows of 512 vectors, too few bytes in flight to cover DRAM
 // latency (at 16384 x 4096 bf16 it moved half of what a copy does). Here, for rows on the
 // 16-byte grid (every array: EDGES false, 16-byte vectors), each block keeps a ring of
-// p.stages rows in shared memory: one thread issues a bulk copy (cp.async.bulk, the Tensor
-// Memory Accelerator) per array of the next rows, an mbarrier per stage counts the bytes
-// in, and the block computes on the oldest stage. Bytes in flight then cost shared memory,
-// not registers. The math, the per-row sums and their order are the register kernel's with
-// one vector per thread and step (VECS_PER_THREAD steps of THREADS_PER_ROW threads); each thread
-// keeps its columns' weights and dweight sums in registers (its columns never change).
+// p.stages rows in shared memory: one thread issues a bulk copy (staging.cuh) per array of
+// the next rows, an mbarrier per stage counts the bytes in, and the block computes on the
+// oldest stage. Bytes in flight then cost shared memory, not registers. The math, the
+// per-row sums and their order are the register kernel's with one vector per thread and step
+// (VECS_PER_THREAD steps of THREADS_PER_ROW threads); each thread keeps its columns' weights
+// and dweight sums in registers (its columns never change).
 // Stage s holds dy, x and (kAddGrad) d_residual_out of one row, row_bytes each; the
 // mbarriers follow the last stage. Stage s is refilled after the barrier of the row that
 // follows its row (every thread has then finished with it).
-
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void stage_init(unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-#endif
-}
-
-// Make the initialised barriers visible to the other threads and to the bulk copies.
-__device__ __forceinline__ void stage_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-// The barrier's one arrival, announcing `bytes` to come from bulk copies.
-__device__ __forceinline__ void stage_expect(unsigned bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
-
-// Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory.
-__device__ __forceinline__ void stage_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#endif
-}
-
-// Wait until the barrier's phase of this parity has completed (its bytes have landed).
-__device__ __forceinline__ void stage_wait(unsigned bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n\t.reg .pred done;\n"
-        "STAGE_WAIT:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-        "@!done bra STAGE_WAIT;\n\t}" ::"r"(bar), "r"(parity) : "memory");
-#endif
-}
 
 // Launch bounds: 1024 resident threads per SM (at most 64 registers a thread), if shared
 // memory lets that many blocks in; half that for rows of more than two steps (their

@@ -74,8 +74,14 @@ def instantiations(dtype):
     return sorted(set(names))
 
 
+def _program(name):
+    """The program that holds an instantiation: the forward's or the backward's."""
+    return "gated_backward" if "backward" in name else "gated"
+
+
 def _programs(dtype):
-    return [dict(names=chunk, arch=FULL_ARCH, program="gated") for chunk in chunks(instantiations(dtype), BATCH)]
+    return [dict(names=chunk, arch=FULL_ARCH, program=program) for program in ("gated", "gated_backward")
+            for chunk in chunks([n for n in instantiations(dtype) if _program(n) == program], BATCH)]
 
 
 def _register_variants():
@@ -94,8 +100,10 @@ def _register_variants():
     return names
 
 
-def _spill_program():
-    return dict(names=_register_variants(), arch=FULL_ARCH, program="gated", fast=False, extra_options=("-Xptxas=-v",))
+def _spill_programs():
+    return [dict(names=names, arch=FULL_ARCH, program=program, fast=False, extra_options=("-Xptxas=-v",))
+            for program in ("gated", "gated_backward")
+            for names in [[n for n in _register_variants() if _program(n) == program]]]
 
 
 def compile_jobs():
@@ -104,7 +112,7 @@ def compile_jobs():
         return []
     jobs = [("test_gated_instantiations_compile", dict(dtype=dtype), kwargs)
             for dtype in CUDA_TYPES for kwargs in _programs(dtype)]
-    return jobs + [("test_gated_register_variants_do_not_spill", {}, _spill_program())]
+    return jobs + [("test_gated_register_variants_do_not_spill", {}, kwargs) for kwargs in _spill_programs()]
 
 
 def _geometry(name):
@@ -151,10 +159,11 @@ def test_gated_register_variants_do_not_spill():
     assert taken(SIXTEEN_BIT) == widest["float16"]
     assert taken(["float32"]) <= widest["float32"]
     assert len(taken(["float32"])) == (len(widest["float32"]) if COMPILE_ALL else len(widest["float32"]) // 2)
-    program = _spill_program()
-    result = compile_program(**program).result()
-    result.get()
-    entries = ptxas_entries(result.log)
-    assert len(entries) == len(program["names"]), result.log[-2000:]
-    spilling = [name for name, spill in entries if int(spill)]
-    assert not spilling, spilling
+    programs = _spill_programs()
+    for program, future in zip(programs, [compile_program(**kwargs) for kwargs in programs]):
+        result = future.result()
+        result.get()
+        entries = ptxas_entries(result.log)
+        assert len(entries) == len(program["names"]), result.log[-2000:]
+        spilling = [name for name, spill in entries if int(spill)]
+        assert not spilling, spilling

@@ -87,8 +87,14 @@ def instantiations(dtype):
     return sorted(set(names))
 
 
+def _program(name):
+    """The program that holds an instantiation: the forward's or the backward's."""
+    return "qk_rope_backward" if "backward" in name else "qk_rope"
+
+
 def _programs(dtype):
-    return [dict(names=chunk, arch=FULL_ARCH, program="qk_rope") for chunk in chunks(instantiations(dtype), BATCH)]
+    return [dict(names=chunk, arch=FULL_ARCH, program=program) for program in ("qk_rope", "qk_rope_backward")
+            for chunk in chunks([n for n in instantiations(dtype) if _program(n) == program], BATCH)]
 
 
 def _register_variants():
@@ -108,8 +114,9 @@ def _register_variants():
 
 
 def _spill_programs():
-    return [dict(names=chunk, arch=FULL_ARCH, program="qk_rope", fast=False, extra_options=("-Xptxas=-v",))
-            for chunk in chunks(_register_variants(), BATCH)]
+    return [dict(names=chunk, arch=FULL_ARCH, program=program, fast=False, extra_options=("-Xptxas=-v",))
+            for program in ("qk_rope", "qk_rope_backward")
+            for chunk in chunks([n for n in _register_variants() if _program(n) == program], BATCH)]
 
 
 def compile_jobs():
