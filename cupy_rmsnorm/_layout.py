@@ -58,7 +58,7 @@ class CallLayout(NamedTuple):
         return self.shape[-1]
 
 
-def call_layout(kind, fused, arrays, metas, copied=False, meta_of=None):
+def call_layout(kind, fused, arrays, metas, copied=False, meta_of=None, names=Arrays._fields):
     """The CallLayout of a validated call, and its arrays (inputs the kernel cannot read
     in place replaced by contiguous copies). ValueError for outputs that cannot be
     written as laid out, or that overlap what they must not. ``copied``: the caller has
@@ -80,7 +80,7 @@ def call_layout(kind, fused, arrays, metas, copied=False, meta_of=None):
     for k in outputs:
         if not _unit_last(metas[k], hidden):
             m = metas[k]
-            raise ValueError(f"{Arrays._fields[k]} must have a unit-stride last axis, element-aligned; "
+            raise ValueError(f"{names[k]} must have a unit-stride last axis, element-aligned; "
                              f"got strides {m.strides} (in elements) at address {m.ptr:#x}")
     for k in inputs + ([WEIGHT] if metas[WEIGHT] is not None else []):
         if not _unit_last(metas[k], hidden):
@@ -89,7 +89,7 @@ def call_layout(kind, fused, arrays, metas, copied=False, meta_of=None):
     layout = row_layout(xm.shape, [metas[k].strides[:-1] for k in order])
     for k, st in zip(order, layout.strides):
         if st is None and k in outputs:
-            raise ValueError(f"{Arrays._fields[k]}'s leading axes cannot be addressed as at most two "
+            raise ValueError(f"{names[k]}'s leading axes cannot be addressed as at most two "
                              f"strided levels alongside the other arrays; pass a contiguous one")
     if any(st is None for st in layout.strides):
         for k, st in zip(order, layout.strides):
@@ -119,7 +119,7 @@ def call_layout(kind, fused, arrays, metas, copied=False, meta_of=None):
     result = CallLayout(fused, tuple(xm.shape), rows, n_inner, xm.dtype, itemsize,
                         wm.dtype if wm else None, wm.itemsize if wm else 0, xm.device,
                         Arrays(*strides), Arrays(*extents), tuple(outputs), copied)
-    check_overlap(result, Arrays(*metas))
+    check_overlap(result, Arrays(*metas), names)
     return Arrays(*arrays), result
 
 
@@ -129,13 +129,12 @@ def _unit_last(m, hidden):
         and m.ptr % m.itemsize == 0
 
 
-def check_overlap(layout, metas):
+def check_overlap(layout, metas, names=Arrays._fields):
     """ValueError when a given output overlaps another array in a way the kernel cannot
     honour: rows of one output overlapping each other, out overlapping residual_out or
     weight, or an output that shares memory with an input without being that input."""
     if layout.rows == 0:
         return
-    names = Arrays._fields
     args = (layout.rows, layout.n_inner, layout.hidden, layout.itemsize)
 
     def span(k):     # an output of another dtype (a quantized out) carries its own itemsize

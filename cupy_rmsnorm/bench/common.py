@@ -222,9 +222,9 @@ def no_gpu_message(command, reason):
     if report is None:
         return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). No report of {command} "
                 f"is committed yet (it would be {COMMITTED_RESULTS}/{command}.json)")
-    where = "" if os.path.isfile(report) else " (from the top folder of a checkout of the repository)"
-    return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). The committed report: "
-            f"{python_command()} -m cupy_rmsnorm.bench {command} --replot {report}{where}")
+    where = "" if os.path.isfile(report) else "From the top folder of a checkout of the repository: "
+    return (f"{PROG} {command}: no CUDA GPU available, nothing measured ({reason}). {where}The committed report: "
+            f"{python_command()} -m cupy_rmsnorm.bench {command} --replot {report}")
 
 
 # -- optional peers ------------------------------------------------------------------------------

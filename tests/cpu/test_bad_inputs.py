@@ -205,3 +205,11 @@ def test_bf16_dtype_table_is_shared():
     """(guards the helpers this file uses)"""
     assert set(DTYPES) == {"float32", "float16", "bfloat16"}
     assert importlib.util.find_spec("cupy_rmsnorm") is not None
+
+
+def test_gated_overlap_names_the_gate():
+    """The gated op's overlap errors name its own arguments (the gate sits where the fused op's
+    residual does in the shared layout)."""
+    buf = np.zeros((4, 256), np.float32)
+    with pytest.raises(ValueError, match=r"^out partially overlaps gate"):
+        rn.rms_norm_gated(buf[:, :64], buf[:, 128:192], out=buf[:, 150:214])

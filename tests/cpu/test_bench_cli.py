@@ -257,6 +257,9 @@ def test_replot_of_each_committed_report(report, tmp_path, capsys):
     assert (tmp_path / "re.md").is_file() and not (tmp_path / "re.json").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir(os.path.join(common.library_root(), common.COMMITTED_RESULTS)),
+                    reason="replot from any folder: the library imported is an installed package, not a checkout "
+                           "(the no-GPU message then names the top folder to run from)")
 def test_replot_resolves_a_repository_path_from_any_folder(tmp_path, monkeypatch, capsys):
     """``--replot benchmarks/results/X.json``, as the docs and the no-GPU message write it,
     works from a folder that is not the repository's top."""

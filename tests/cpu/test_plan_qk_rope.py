@@ -183,13 +183,15 @@ def test_forced_geometry():
 def test_the_kernel_constants_match_the_plan():
     src = _compile.kernel_file("qk_norm_rope.cu")
     assert int(re.search(r"constexpr int kQkExchangeBlock = (\d+);", src).group(1)) == qk_rope_launch.QK_ROPE_EXCHANGE_BLOCK
-    assert int(re.search(r"constexpr int kQkBackwardBlock = (\d+);", src).group(1)) == qk_rope_launch.QK_ROPE_BACKWARD_BLOCK
+    backward = _compile.kernel_file("qk_norm_rope_backward.cu")
+    assert int(re.search(r"constexpr int kQkBackwardBlock = (\d+);", backward).group(1)) == \
+        qk_rope_launch.QK_ROPE_BACKWARD_BLOCK
     assert "__launch_bounds__(512)" in src and qk_rope_launch.QK_ROPE_TOKEN_THREADS == 512 and qk_rope_launch.QK_ROPE_BLOCK <= 512
     # the kernel's read-back of the split is the plan's formula
     assert "const int per_block = (heads + (int)gridDim.y - 1) / (int)gridDim.y;" in src
     assert "const int token_threads = (per_block * LANES + 31) / 32 * 32;" in src
     # the shared memory: 256 threads of at most 16 elements (test above) in float32
-    assert "__shared__ float shared[kQkBackwardBlock * VECS * VEC];" in src
+    assert "__shared__ float shared[kQkBackwardBlock * VECS * VEC];" in backward
 
 
 # -- the launcher's Params: a token's and a head's first element, as the kernels compute it ---------

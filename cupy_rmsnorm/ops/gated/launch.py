@@ -105,7 +105,7 @@ def gated_layout(kind, arrays, metas, group_size, out_dtype, copied=False):
             copied = True
     rows_metas = Arrays(meta_of(inputs[0]), meta_of(inputs[1]), None, grouped(mo, group_size), None)
     five, call = call_layout(kind, False, Arrays(inputs[0], inputs[1], None, out, None), rows_metas, copied,
-                             meta_of)
+                             meta_of, names=("x", "gate", "weight", "out", "residual_out"))
     if mw is not None and call.rows and OUT in call.given_outputs:
         lo, hi = call.extents[OUT]
         span = (mo.ptr, call.row_strides[OUT], (mo.ptr + lo, mo.ptr + hi), mo.itemsize)
@@ -405,7 +405,7 @@ class GatedBackwardLauncher:
                                        max_blocks_per_sm=cap, **forced)
             name = gated_backward_instantiation_name(layout.call.dtype, layout.dy_dtype, layout.weight_dtype, plan,
                                                      self.spec.norm_before_gate, self.spec.activation)
-            fn = kernel_cache.get(d.index, name, "gated")
+            fn = kernel_cache.get(d.index, name, "gated_backward")
             from cupy_backends.cuda.api import driver
             _driver.ensure_context(d.index)
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
@@ -418,7 +418,8 @@ class GatedBackwardLauncher:
 
     def reduce_kernel(self):
         if self._reduce is None:
-            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self.layout.weight_dtype), "gated")
+            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self.layout.weight_dtype),
+                                  "gated_backward")
             grid = -(-self.layout.groups * self.hidden // REDUCE_COLUMNS)
             self._reduce = _driver.KernelLaunch(fn.ptr, (grid, 1), REDUCE_BLOCK)
         return self._reduce

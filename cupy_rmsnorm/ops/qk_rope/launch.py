@@ -660,7 +660,7 @@ class QkRopeBackwardLauncher:
             plan = qk_rope_backward_plan(*args, max_blocks_per_sm=cap, **geometry)
             name = qk_rope_backward_instantiation_name(layout.dtype, layout.weight_dtype, layout.table_dtype, plan,
                                                        layout.spec.cache)
-            fn = kernel_cache.get(d.index, name, "qk_rope")
+            fn = kernel_cache.get(d.index, name, "qk_rope_backward")
             from cupy_backends.cuda.api import driver
             _driver.ensure_context(d.index)
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
@@ -672,7 +672,8 @@ class QkRopeBackwardLauncher:
 
     def reduce_kernel(self):
         if self._reduce is None:
-            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self.layout.weight_dtype), "qk_rope")
+            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self.layout.weight_dtype),
+                                  "qk_rope_backward")
             grid = -(-2 * self.head_dim // REDUCE_COLUMNS)
             self._reduce = _driver.KernelLaunch(fn.ptr, (grid, 1), REDUCE_BLOCK)
         return self._reduce
