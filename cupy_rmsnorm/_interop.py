@@ -256,6 +256,52 @@ class TorchKind:
 
 
 
+class TorchCpuKind:
+    """torch CPU tensors: the reference runs on zero-copy NumPy views of them (bfloat16 through
+    an int16 view as ml_dtypes.bfloat16), and its results come back as tensors sharing the
+    NumPy arrays' memory (the given outputs as the caller's tensors). No view outlives the
+    call, so storage a caller resizes later (FSDP2's parameters) is not pinned."""
+    name = "torch (CPU)"
+    _views = {"bfloat16": ("int16", ml_dtypes.bfloat16), "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+              "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2)}
+
+    @classmethod
+    def view(cls, t):
+        """A NumPy view of CPU tensor ``t`` (lazy negation or conjugation resolved by a copy)."""
+        torch = sys.modules["torch"]
+        t = t.detach()
+        if t.is_neg() or t.is_conj():
+            t = t.resolve_conj().resolve_neg()
+        name = str(t.dtype).replace("torch.", "")
+        if name in cls._views:
+            storage, dtype = cls._views[name]
+            return t.view(getattr(torch, storage)).numpy().view(dtype)
+        return t.numpy()
+
+    @classmethod
+    def tensor(cls, a):
+        """NumPy array ``a`` as a CPU tensor sharing its memory."""
+        torch = sys.modules["torch"]
+        name = a.dtype.name
+        if name in cls._views:
+            storage, _ = cls._views[name]
+            return torch.from_numpy(a.view(storage)).view(getattr(torch, name))
+        return torch.from_numpy(a)
+
+    @classmethod
+    def tensors(cls, result, given):
+        """``result`` (an array or a tuple of arrays and None) as tensors: a given output's view
+        as the caller's tensor (``given``: [(view, tensor)])."""
+        if isinstance(result, tuple):
+            return tuple(cls.tensors(r, given) for r in result)
+        if result is None:
+            return None
+        for view, t in given:
+            if result is view:
+                return t
+        return cls.tensor(result)
+
+
 def _cupy():
     return sys.modules["cupy"] if "cupy" in sys.modules else __import__("cupy")
 

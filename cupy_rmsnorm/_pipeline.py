@@ -21,7 +21,7 @@ import sys
 from typing import Any, Callable, Literal, NamedTuple, Optional
 
 from . import _cache, _interop
-from ._interop import CupyKind, DlpackKind, NumpyKind, TorchKind
+from ._interop import CupyKind, DlpackKind, NumpyKind, TorchCpuKind, TorchKind
 
 
 Array = Any
@@ -122,8 +122,14 @@ def full(spec, arrays, args, signature=None):
     """The full path: validate everything, then run (and remember a launch entry)."""
     arrays, options = checked(spec, arrays, args)
     kind, arrays, cacheable = array_kind(arrays, spec.names, spec.anchor)
-    if spec.autograd and kind is TorchKind and _interop.autograd_records(arrays):
+    if spec.autograd and kind in (TorchKind, TorchCpuKind) and _interop.autograd_records(arrays):
         return spec.traced(arrays, options, True)       # the registered op, with its autograd
+    if kind is TorchCpuKind:     # the reference on NumPy views, tensors back
+        views = cpu_views(arrays, spec.names, spec.outputs, spec.anchor)
+        call = prepare(NumpyKind, views, spec.names, spec.outputs, False)
+        laid_out, layout, _ = spec.layout(call, options)
+        result = spec.reference(laid_out, options, layout)
+        return TorchCpuKind.tensors(result, [(views[k], arrays[k]) for k in spec.outputs if arrays[k] is not None])
     call = prepare(kind, arrays, spec.names, spec.outputs, cacheable)
     arrays, layout, copied = spec.layout(call, options)
     if call.kind is NumpyKind:
@@ -175,6 +181,8 @@ def array_kind(arrays, names, anchor=0):
         return kind, arrays, True
     if kind is TorchKind:
         TorchKind.bind()
+        if arrays[anchor].device.type == "cpu":
+            return TorchCpuKind, arrays, False
         return kind, arrays, True
     if kind is DlpackKind:     # the device check before the CuPy check: a CPU producer gets the device error
         return CupyKind, type(arrays)(*(None if a is None else kind.to_cupy(a, n) for n, a in zip(names, arrays))), False
@@ -205,6 +213,21 @@ def resolve(arrays, names, anchor=0, outputs=()):
     return prepare(kind, arrays, names, outputs, cacheable)
 
 
+def cpu_views(arrays, names, outputs, anchor):
+    """NumPy views of a call's CPU tensors (the same kind of NamedTuple): every tensor on the
+    CPU (ValueError naming the one that is not), outputs plain memory."""
+    for k, (name, t) in enumerate(zip(names, arrays)):
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is a torch tensor on {t.device}, and {names[anchor]} is on the CPU; "
+                             f"pass tensors of one device")
+        if k in outputs and (t.is_neg() or t.is_conj()):
+            raise ValueError(f"{name} has torch's lazy negation (or conjugation) bit set, so its memory holds the "
+                             f"values without the sign; pass a plain tensor ({name}.resolve_neg() makes one)")
+    return type(arrays)(*(None if t is None else TorchCpuKind.view(t) for t in arrays))
+
+
 def _check_torch(arrays, names, outputs):
     """Torch tensors must be on a CUDA device; outputs must be plain memory."""
     torch = sys.modules["torch"]
@@ -212,8 +235,8 @@ def _check_torch(arrays, names, outputs):
         if t is None:
             continue
         if t.device.type != "cuda":
-            raise ValueError(f"{name} is a torch tensor on {t.device}; pass CUDA tensors (tensor.cuda()) or, "
-                             f"for the CPU path, NumPy arrays")
+            raise ValueError(f"{name} is a torch tensor on {t.device}; pass tensors of one device (CUDA, or the CPU "
+                             f"for the reference)")
         if k in outputs and t.layout == torch.strided and (t.is_neg() or t.is_conj()):
             raise ValueError(f"{name} has torch's lazy negation (or conjugation) bit set, so its memory "
                              f"holds the values without the sign; pass a plain tensor "

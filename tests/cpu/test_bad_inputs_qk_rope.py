@@ -154,15 +154,20 @@ def test_backward_errors_name_the_argument(make, error, match):
         make()
 
 
-def test_torch_tensors_on_the_cpu_are_refused_with_and_without_autograd():
+def test_torch_cpu_tensors_run_the_reference_with_and_without_autograd():
     """A call that autograd records goes through the registered op, whose implementation is the
-    same direct path: the same ValueError."""
+    same direct path: the reference's bits either way; a tensor on another device is refused."""
     torch = pytest.importorskip("torch")
-    q, k = torch.zeros(T, HQ, D), torch.zeros(T, HK, D)
-    cache, pos = torch.ones(16, D), torch.arange(T)
-    with pytest.raises(ValueError, match=r"^q is a torch tensor on cpu"):
-        rn.qk_norm_rope(q, k, None, None, positions=pos, cos_sin_cache=cache)
-    with pytest.raises(ValueError, match=r"^q is a torch tensor on cpu"):
-        rn.qk_norm_rope(q.requires_grad_(), k, None, None, positions=pos, cos_sin_cache=cache)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(T, HQ, D, generator=g), torch.randn(T, HK, D, generator=g)
+    cache, pos = torch.randn(16, D, generator=g), torch.arange(T)
+    want = rn.qk_norm_rope(q.numpy(), k.numpy(), None, None, positions=pos.numpy(), cos_sin_cache=cache.numpy())
+    got = rn.qk_norm_rope(q, k, None, None, positions=pos, cos_sin_cache=cache)
+    recorded = rn.qk_norm_rope(q.clone().requires_grad_(), k, None, None, positions=pos, cos_sin_cache=cache)
+    for a, b, c in zip(want, got, recorded):
+        assert torch.equal(torch.from_numpy(a), b) and torch.equal(b, c.detach())
+    assert recorded[0].requires_grad
+    with pytest.raises(ValueError, match=r"^k is a torch tensor on meta, and q is on the CPU"):
+        rn.qk_norm_rope(q, k.to("meta"), None, None, positions=pos, cos_sin_cache=cache)
     with pytest.raises(ValueError, match=r"^cos_sin_cache requires grad, and qk_norm_rope has no gradient"):
         rn.qk_norm_rope(q, k, None, None, positions=pos, cos_sin_cache=cache.requires_grad_())

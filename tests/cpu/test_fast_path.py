@@ -140,8 +140,7 @@ def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared():
             rn.rms_norm(x, w, eps=np.array([1e-6, 1e-6]))
         _cache.clear()
         assert _cache.last_hit == (None, None)
-        with pytest.raises(ValueError, match="CUDA"):    # the full path again: these are CPU tensors
-            rn.rms_norm(x, w)
-        assert len(seen) == 2
+        y = rn.rms_norm(x, w)                            # the full path again: CPU tensors, the reference
+        assert isinstance(y, torch.Tensor) and len(seen) == 2
     finally:
         _cache.clear()
