@@ -18,7 +18,7 @@ import sys
 from . import _interop, ops
 from ._pipeline import REGISTRY
 from ._plan import LaunchPlan, launch_plan
-from .ops.backward.launch import BackwardPlan, backward_plan
+from .ops.backward.plan import BackwardPlan, backward_plan
 
 
 def _public_names():

@@ -21,9 +21,10 @@ import threading
 import numpy as np
 
 from . import _driver
-from ._abi import (EARLY_TRIGGER)
-from ._layout import (OUT, RESIDUAL, RESIDUAL_OUT, WEIGHT, X)
-from ._plan import (early_trigger, vector_width_from_bits)
+from ._abi import EARLY_TRIGGER, REDUCE_BLOCK, REDUCE_COLUMNS, REDUCE_PARAMS_DTYPE, reduce_instantiation_name
+from ._compile import kernel_cache
+from ._layout import OUT, RESIDUAL, RESIDUAL_OUT, WEIGHT, X
+from ._plan import early_trigger, vector_width_from_bits
 
 KERNEL_POINTERS = (X, RESIDUAL, OUT, RESIDUAL_OUT, WEIGHT)   # the forward kernel's pointer arguments, in order
 _SLOT = {k: i for i, k in enumerate(KERNEL_POINTERS)}
@@ -146,3 +147,55 @@ def _argv(values):
 _MAX_DYNAMIC_SHARED, _STATIC_SHARED = 8, 1
 
 
+class GradLauncher:
+    """What the backward launchers share: the switch to the arrays' device, a kernel's
+    occupancy, and the launch of a backward kernel followed by the fixed-order reduction of its
+    float32 partial rows of the weights' gradient. A subclass sets ``program`` (its backward
+    program, which holds the reduction kernel too) and gives ``_run(arrays, weight_grad)``; a
+    call builds its arguments afresh (it allocates its outputs and partial rows anyway)."""
+
+    program = None
+
+    def __init__(self, kind, device_index, weight_dtype, columns):
+        self.kind, self.device = kind, _driver.device(device_index)
+        self._weight_dtype, self._columns = weight_dtype, columns   # the reduction's: dweight's columns
+        self._reduce = None
+        self._lock = threading.Lock()       # the KernelLaunch records hold the stream
+
+    def __call__(self, arrays, weight_grad=True):
+        """The gradients of ``arrays`` (the family's backward arrays); the weights' are None
+        without weights or when ``weight_grad`` is False."""
+        from cupy import cuda
+        if cuda.runtime.getDevice() == self.device.index:
+            return self._run(arrays, weight_grad)
+        with cuda.Device(self.device.index):
+            return self._run(arrays, weight_grad)
+
+    def occupancy(self, fn, block, shared_bytes=0):
+        """Blocks of ``fn`` an SM can hold (its dynamic shared memory allowed up to the device's
+        limit first: the function's limit, shared by every launcher)."""
+        from cupy_backends.cuda.api import driver
+        _driver.ensure_context(self.device.index)   # a driver call: this thread may have none yet
+        if shared_bytes:
+            driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED,
+                                    self.device.shared_per_block - driver.funcGetAttribute(_STATIC_SHARED, fn.ptr))
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, shared_bytes)
+
+    def reduce_kernel(self):
+        if self._reduce is None:
+            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self._weight_dtype), self.program)
+            self._reduce = _driver.KernelLaunch(fn.ptr, (-(-self._columns // REDUCE_COLUMNS), 1), REDUCE_BLOCK)
+        return self._reduce
+
+    def launch(self, kernel, argv, partials=None, dweight=None, partial_rows=0):
+        """``kernel`` with ``argv`` on the caller's stream, then, given ``partials``, their
+        ``partial_rows`` rows added in a fixed order into ``dweight``."""
+        ptr = self.kind.ptr
+        with self._lock:
+            stream = self.kind.stream(self.device.index)
+            _driver.launch(self.device, kernel, stream, argv)
+            if partials is not None:
+                rp = np.zeros(1, REDUCE_PARAMS_DTYPE)
+                rp["partials"], rp["hidden"] = partial_rows, self._columns
+                rargv, held = _argv([ptr(partials), ptr(dweight), rp])
+                _driver.launch(self.device, self.reduce_kernel(), stream, rargv)

@@ -20,7 +20,7 @@ from helpers import (COMPILE_ALL, FULL_ARCH, ITEMSIZE, SIXTEEN_BIT, SMS, VECS, a
 
 from cupy_rmsnorm._abi import CUDA_TYPES
 from cupy_rmsnorm.ops.gated.launch import gated_backward_instantiation_name, gated_instantiation_name
-from cupy_rmsnorm.ops.gated.launch import gated_backward_plan, gated_plan
+from cupy_rmsnorm.ops.gated.plan import gated_backward_plan, gated_plan
 
 pytestmark = [pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}"),
               requires_arch(FULL_ARCH)]

@@ -20,7 +20,7 @@ from helpers import (COMPILE_ALL, FULL_ARCH, ITEMSIZE, VECS, arch_missing, check
 
 from cupy_rmsnorm._abi import CUDA_TYPES
 from cupy_rmsnorm.ops.qk_rope.launch import qk_rope_backward_instantiation_name, qk_rope_instantiation_name
-from cupy_rmsnorm.ops.qk_rope.launch import qk_rope_backward_plan, qk_rope_plan
+from cupy_rmsnorm.ops.qk_rope.plan import qk_rope_backward_plan, qk_rope_plan
 
 pytestmark = [pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}"),
               requires_arch(FULL_ARCH)]

@@ -7,6 +7,7 @@ import re
 from cupy_rmsnorm import _abi
 from cupy_rmsnorm import _compile
 from cupy_rmsnorm.ops.backward import launch as backward_launch
+from cupy_rmsnorm.ops.backward import plan as backward_plan
 from cupy_rmsnorm.ops.qk_rope import launch as qk_rope_launch
 from cupy_rmsnorm.ops.quant import launch as quant_launch
 from cupy_rmsnorm.ops.quant import reference as quant_reference
@@ -100,7 +101,7 @@ def test_backward_groups_match_the_plan():
     src = kernel_source("backward")
     assert "constexpr int GROUPS = THREADS_PER_ROW <= 32 ? 256 / THREADS_PER_ROW : 1;" in src
     from cupy_rmsnorm import _plan
-    assert backward_launch.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32
+    assert backward_plan.BACKWARD_GROUPS_BLOCK == 256 and _plan.WARP == 32
 
 
 def test_forward_rows_per_block_match_the_plan():

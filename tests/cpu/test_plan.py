@@ -11,7 +11,7 @@ import cupy_rmsnorm as rn
 from cupy_rmsnorm import _abi
 from cupy_rmsnorm import _layout
 from cupy_rmsnorm._plan import vector_width
-from cupy_rmsnorm.ops.backward.launch import backward_refit_keywords
+from cupy_rmsnorm.ops.backward.plan import backward_refit_keywords
 from cupy_rmsnorm.ops.backward import launch as backward_launch
 
 H200_SMS = 132

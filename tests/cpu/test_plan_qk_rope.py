@@ -16,8 +16,9 @@ from cupy_rmsnorm import _plan as P
 from cupy_rmsnorm._interop import NumpyKind
 from cupy_rmsnorm.ops.qk_rope import checks as qk_rope_checks
 from cupy_rmsnorm.ops.qk_rope import launch as qk_rope_launch
+from cupy_rmsnorm.ops.qk_rope import plan as qk_rope_plan
 
-HEAD_DIMS = tuple(range(2, qk_rope_launch.QK_ROPE_MAX_HEAD_DIM + 1, 2))
+HEAD_DIMS = tuple(range(2, qk_rope_plan.QK_ROPE_MAX_HEAD_DIM + 1, 2))
 VECS = (1, 2, 4, 8)
 
 
@@ -29,13 +30,13 @@ def rotary_dims(head_dim):
 
 
 def test_rope_pairs():
-    assert qk_rope_launch.rope_pairs(128, False) == qk_rope_launch.rope_pairs(6, False) == 1          # interleaved pairs
-    assert qk_rope_launch.rope_pairs(128, True) == 64 and qk_rope_launch.rope_pairs(64, True) == 32   # NeoX halves, powers of two
-    assert qk_rope_launch.rope_pairs(2, True) == 1                                       # one pair: both layouts agree
-    assert qk_rope_launch.rope_pairs(96, True) == 0 and qk_rope_launch.rope_pairs(80, True) == 0      # through shared memory
+    assert qk_rope_plan.rope_pairs(128, False) == qk_rope_plan.rope_pairs(6, False) == 1          # interleaved pairs
+    assert qk_rope_plan.rope_pairs(128, True) == 64 and qk_rope_plan.rope_pairs(64, True) == 32   # NeoX halves, powers of two
+    assert qk_rope_plan.rope_pairs(2, True) == 1                                       # one pair: both layouts agree
+    assert qk_rope_plan.rope_pairs(96, True) == 0 and qk_rope_plan.rope_pairs(80, True) == 0      # through shared memory
     for bad in (0, 3, -2):
         with pytest.raises(ValueError, match=r"^rotary_dim must be even and >= 2"):
-            qk_rope_launch.rope_pairs(bad, True)
+            qk_rope_plan.rope_pairs(bad, True)
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -46,7 +47,7 @@ def test_geometry_covers_a_head_and_fits_the_shared_memory(backward):
     for head_dim, vec in itertools.product(HEAD_DIMS, VECS):
         if head_dim % vec:
             continue
-        threads, vecs = qk_rope_launch.qk_rope_geometry(head_dim, vec, backward)
+        threads, vecs = qk_rope_plan.qk_rope_geometry(head_dim, vec, backward)
         assert threads in (8, 16, 32) and vecs & (vecs - 1) == 0
         assert threads * vecs * vec >= head_dim
         assert vecs * vec <= 16, (head_dim, vec)
@@ -76,10 +77,10 @@ def _forward_items(plan, tokens, heads):
 @pytest.mark.parametrize("heads", [1, 3, 5, 12, 40, 72, 132, 260])
 @pytest.mark.parametrize("head_dim,rotary_dim,vec", [(128, 128, 8), (64, 64, 4), (96, 96, 8), (256, 128, 1)])
 def test_forward_split_reaches_every_head_once(tokens, heads, head_dim, rotary_dim, vec):
-    plan = qk_rope_launch.qk_rope_plan(tokens, heads, head_dim, rotary_dim, True, vec)
-    most = qk_rope_launch.QK_ROPE_EXCHANGE_BLOCK if plan.pairs == 0 else qk_rope_launch.QK_ROPE_TOKEN_THREADS
+    plan = qk_rope_plan.qk_rope_plan(tokens, heads, head_dim, rotary_dim, True, vec)
+    most = qk_rope_plan.QK_ROPE_EXCHANGE_BLOCK if plan.pairs == 0 else qk_rope_plan.QK_ROPE_TOKEN_THREADS
     assert plan.block % 32 == 0 and plan.token_threads % 32 == 0        # a warp never holds two tokens
-    assert plan.token_threads <= most and plan.block <= max(most, qk_rope_launch.QK_ROPE_BLOCK)
+    assert plan.token_threads <= most and plan.block <= max(most, qk_rope_plan.QK_ROPE_BLOCK)
     assert plan.heads_per_block == -(-heads // plan.head_chunks)        # what the kernel computes
     assert plan.block // plan.token_threads == plan.tokens_per_block
     assert plan.grid == plan.token_blocks * plan.head_chunks and plan.grid_dims() == (plan.token_blocks,
@@ -89,15 +90,15 @@ def test_forward_split_reaches_every_head_once(tokens, heads, head_dim, rotary_d
 
 
 def test_forward_plan_is_a_function_of_its_arguments():
-    a = qk_rope_launch.qk_rope_plan(4096, 40, 128, 128, True, 8)
-    assert a == qk_rope_launch.qk_rope_plan(4096, 40, 128, 128, True, 8)
+    a = qk_rope_plan.qk_rope_plan(4096, 40, 128, 128, True, 8)
+    assert a == qk_rope_plan.qk_rope_plan(4096, 40, 128, 128, True, 8)
     # Qwen3-8B's heads (32 q + 8 k) of 128 in 16-byte vectors: 8 threads a head, two vectors each,
     # one token's 40 heads in a block of 320 threads; NeoX halves 64 channels apart: in a thread
     assert (a.threads_per_head, a.vecs_per_thread, a.pairs, a.block, a.head_chunks) == (8, 2, 64, 320, 1)
     assert a.pairs >= a.vec * a.threads_per_head
     # a token's 132 heads take two chunks; few heads: several tokens a block
-    assert qk_rope_launch.qk_rope_plan(10, 132, 128, 128, True, 8).head_chunks == 3
-    small = qk_rope_launch.qk_rope_plan(1000, 3, 64, 64, False, 8)
+    assert qk_rope_plan.qk_rope_plan(10, 132, 128, 128, True, 8).head_chunks == 3
+    small = qk_rope_plan.qk_rope_plan(1000, 3, 64, 64, False, 8)
     assert small.tokens_per_block == 8 and small.block == 256
 
 
@@ -118,9 +119,9 @@ def test_partners_lie_where_the_kernel_looks(backward):
     for head_dim, vec in itertools.product((2, 6, 64, 80, 96, 128, 256, 512), VECS):
         if head_dim % vec:
             continue
-        threads, vecs = qk_rope_launch.qk_rope_geometry(head_dim, vec, backward)
+        threads, vecs = qk_rope_plan.qk_rope_geometry(head_dim, vec, backward)
         for rd, neox in itertools.product(rotary_dims(head_dim), (True, False)):
-            pairs = qk_rope_launch.rope_pairs(rd, neox)
+            pairs = qk_rope_plan.rope_pairs(rd, neox)
             if pairs == 0:
                 continue
             rotating = vecs if pairs == 1 else min(vecs, -(-2 * pairs // (vec * threads)))
@@ -142,13 +143,13 @@ def test_partners_lie_where_the_kernel_looks(backward):
 @pytest.mark.parametrize("tokens,heads", [(0, 40), (1, 3), (7, 40), (1000, 12), (4096, 72)])
 @pytest.mark.parametrize("head_dim,vec", [(128, 8), (64, 4), (96, 2), (512, 8)])
 def test_backward_runs_cover_the_items(tokens, heads, head_dim, vec):
-    plan = qk_rope_launch.qk_rope_backward_plan(tokens, heads, head_dim, head_dim, True, vec, 132)
-    assert plan.block == qk_rope_launch.QK_ROPE_BACKWARD_BLOCK == plan.groups * plan.threads_per_head
+    plan = qk_rope_plan.qk_rope_backward_plan(tokens, heads, head_dim, head_dim, True, vec, 132)
+    assert plan.block == qk_rope_plan.QK_ROPE_BACKWARD_BLOCK == plan.groups * plan.threads_per_head
     assert plan.items_per_block % plan.groups == 0
     items = tokens * heads
     assert plan.grid * plan.items_per_block >= items and (plan.grid - 1) * plan.items_per_block < max(items, 1)
     assert plan.partials == plan.grid
-    assert plan == qk_rope_launch.qk_rope_backward_plan(tokens, heads, head_dim, head_dim, True, vec, 132)    # a fixed order
+    assert plan == qk_rope_plan.qk_rope_backward_plan(tokens, heads, head_dim, head_dim, True, vec, 132)    # a fixed order
     # the kernel's walk (qk_norm_rope_backward_kernel): group g of block b starts at item
     # b * items_per_block + g and steps by groups, its (token, head) carried along
     seen = set()
@@ -165,28 +166,28 @@ def test_backward_runs_cover_the_items(tokens, heads, head_dim, vec):
             while head >= heads:
                 head, token = head - heads, token + 1
     assert len(seen) == items
-    capped = qk_rope_launch.qk_rope_backward_plan(tokens, heads, head_dim, head_dim, True, vec, 132, max_blocks_per_sm=1)
+    capped = qk_rope_plan.qk_rope_backward_plan(tokens, heads, head_dim, head_dim, True, vec, 132, max_blocks_per_sm=1)
     assert capped.grid <= 132 and capped.grid * capped.items_per_block >= items
 
 
 def test_forced_geometry():
-    plan = qk_rope_launch.qk_rope_plan(10, 8, 128, 128, True, 8, threads_per_head=16, vecs_per_thread=1)
+    plan = qk_rope_plan.qk_rope_plan(10, 8, 128, 128, True, 8, threads_per_head=16, vecs_per_thread=1)
     assert (plan.threads_per_head, plan.vecs_per_thread) == (16, 1)
     with pytest.raises(ValueError, match=r"do not cover a head of 128"):
-        qk_rope_launch.qk_rope_plan(10, 8, 128, 128, True, 8, threads_per_head=8, vecs_per_thread=1)
+        qk_rope_plan.qk_rope_plan(10, 8, 128, 128, True, 8, threads_per_head=8, vecs_per_thread=1)
     with pytest.raises(ValueError, match=r"^threads_per_head must be a power of two up to 32"):
-        qk_rope_launch.qk_rope_backward_plan(10, 8, 128, 128, True, 8, 132, threads_per_head=64)
+        qk_rope_plan.qk_rope_backward_plan(10, 8, 128, 128, True, 8, 132, threads_per_head=64)
     with pytest.raises(ValueError, match=r"rotary_dim <= head_dim <= 512"):
-        qk_rope_launch.qk_rope_plan(10, 8, 1024, 128, True, 8)
+        qk_rope_plan.qk_rope_plan(10, 8, 1024, 128, True, 8)
 
 
 def test_the_kernel_constants_match_the_plan():
     src = _compile.kernel_file("qk_norm_rope.cu")
-    assert int(re.search(r"constexpr int kQkExchangeBlock = (\d+);", src).group(1)) == qk_rope_launch.QK_ROPE_EXCHANGE_BLOCK
+    assert int(re.search(r"constexpr int kQkExchangeBlock = (\d+);", src).group(1)) == qk_rope_plan.QK_ROPE_EXCHANGE_BLOCK
     backward = _compile.kernel_file("qk_norm_rope_backward.cu")
     assert int(re.search(r"constexpr int kQkBackwardBlock = (\d+);", backward).group(1)) == \
-        qk_rope_launch.QK_ROPE_BACKWARD_BLOCK
-    assert "__launch_bounds__(512)" in src and qk_rope_launch.QK_ROPE_TOKEN_THREADS == 512 and qk_rope_launch.QK_ROPE_BLOCK <= 512
+        qk_rope_plan.QK_ROPE_BACKWARD_BLOCK
+    assert "__launch_bounds__(512)" in src and qk_rope_plan.QK_ROPE_TOKEN_THREADS == 512 and qk_rope_plan.QK_ROPE_BLOCK <= 512
     # the kernel's read-back of the split is the plan's formula
     assert "const int per_block = (heads + (int)gridDim.y - 1) / (int)gridDim.y;" in src
     assert "const int token_threads = (per_block * LANES + 31) / 32 * 32;" in src

@@ -1,5 +1,3 @@
-import threading
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -11,15 +9,11 @@ from ..._abi import (
     HAS_WEIGHT,
     ITEMSIZES,
     LLAMA,
-    REDUCE_BLOCK,
-    REDUCE_COLUMNS,
-    REDUCE_PARAMS_DTYPE,
     WEIGHT_GRAD,
     kernel_weight_offset,
-    reduce_instantiation_name,
 )
 from ..._compile import kernel_cache
-from ..._launcher import SlotLauncher, _apart, _argv
+from ..._launcher import GradLauncher, SlotLauncher, _apart, _argv
 from ..._layout import (
     _MAYBE,
     OUT,
@@ -32,20 +26,14 @@ from ..._layout import (
     call_layout,
 )
 from ..._plan import (
-    WARP,
-    WARP_VARIANT_BLOCK,
-    _ceil_div,
-    _chunks,
-    _pow2_ceil,
-    launch_plan,
     vector_width_from_bits,
 )
 from ..backward.launch import (
-    BACKWARD_THREADS_PER_SM,
     BackwardArrays,
     BackwardLayout,
     backward_layout,
 )
+from .plan import gated_backward_plan, gated_plan
 
 
 class GatedArrays(NamedTuple):
@@ -151,90 +139,6 @@ def gated_backward_layout(kind, arrays, metas, group_size):
     layout = GatedBackwardLayout(call, hidden // (group_size or hidden), mdy.dtype, mw.dtype if mw else None,
                                  mw.itemsize if mw else 0)
     return GatedBackwardArrays(four.dy, four.x, four.d_residual_out, weight), layout
-
-
-def gated_plan(rows, hidden, itemsize, vec, sm_count, **forced):
-    """The gated forward's plan for ``rows`` groups of ``hidden`` elements: launch_plan's
-    geometry with the fused op's register limits (a thread keeps x and the gate of its
-    vectors), rows on the vector grid (the launcher picks a vec that divides every group: no
-    head or tail) and a block or a group of threads a row (no cluster). ``forced``:
-    threads_per_row= / vecs_per_thread= as in launch_plan."""
-    return launch_plan(rows, hidden, itemsize, vec, sm_count, True, edges=False, max_cluster=1, **forced)
-
-
-GATED_BACKWARD_GROUP_VECTORS = 64      # up to here: groups of 8..32 threads share a block of 256
-
-
-GATED_BACKWARD_ONE_VECTOR = 512        # up to here: a block of one vector a thread (64 registers)
-
-
-GATED_BACKWARD_THREADS = 512           # past that: 512 threads, two vectors each, then streamed
-
-
-@dataclass(frozen=True)
-class GatedBackwardPlan:
-    """How one gated backward call is launched (kernels/rms_norm_gated.cu).
-
-    variant: "registers" (the group's dy, x and gate kept for the second pass) or "stream".
-    vec, threads_per_row, vecs_per_thread: as in ``LaunchPlan``. row_groups: groups of
-    threads a block (256 / threads_per_row for groups of up to 32 threads, else 1), each on
-    its own row at a time. Block b takes group position b % groups of ``rows_per_block``
-    consecutive rows of the caller's arrays; ``chunks`` such runs cover the rows, so the
-    grid is chunks x groups and each chunk writes one partial row of dweight, which the
-    reduction adds in a fixed order (the bits depend only on the plan).
-    """
-
-    variant: str
-    vec: int
-    threads_per_row: int
-    vecs_per_thread: int
-    row_groups: int
-    block: int
-    rows_per_block: int
-    chunks: int
-    grid: int
-
-    def template_args(self):
-        return self.vec, self.threads_per_row, self.vecs_per_thread
-
-
-def gated_backward_geometry(hidden, vec):
-    """(threads per row, vectors per thread) of the gated backward for groups of ``hidden``
-    elements in vectors of ``vec``: a thread keeps dy, x and the gate of its vectors and their
-    weights, which a block of 1024 threads cannot fit in its 64 registers a thread."""
-    n = max(hidden // vec, 1)
-    if n <= GATED_BACKWARD_GROUP_VECTORS:
-        threads = min(max(_pow2_ceil(_ceil_div(n, 2)), 8), WARP)
-        return threads, _pow2_ceil(_ceil_div(n, threads))
-    if n <= GATED_BACKWARD_ONE_VECTOR:
-        return max(_pow2_ceil(n), 2 * WARP), 1
-    if n <= 2 * GATED_BACKWARD_THREADS:
-        return GATED_BACKWARD_THREADS, 2
-    return GATED_BACKWARD_THREADS, 0
-
-
-def gated_backward_plan(rows, groups, hidden, itemsize, vec, sm_count, *, max_blocks_per_sm=None,
-                        threads_per_row=None, vecs_per_thread=None):
-    """The gated backward's plan for ``rows`` groups of ``hidden`` elements, ``groups`` of them a
-    row of the caller's arrays: gated_backward_geometry (or the forced threads_per_row /
-    vecs_per_thread), and about BACKWARD_THREADS_PER_SM resident threads an SM (at most
-    ``max_blocks_per_sm`` blocks, the kernel's occupancy) in blocks of equal runs of rows."""
-    if rows < 0 or groups < 1 or rows % groups or hidden < 1 or vec < 1 or hidden % vec or sm_count < 1:
-        raise ValueError("gated_backward_plan needs rows a multiple of groups >= 1, hidden a multiple of vec")
-    threads, vecs = gated_backward_geometry(hidden, vec)
-    threads, vecs = threads_per_row or threads, (vecs if vecs_per_thread is None else vecs_per_thread)
-    if vecs and threads * vecs < hidden // vec:
-        raise ValueError(f"{threads} threads x {vecs} vectors of {vec} elements do not cover a group of {hidden}")
-    row_groups = WARP_VARIANT_BLOCK // threads if threads <= WARP else 1
-    if vecs == 0 and row_groups > 1:
-        raise ValueError("a streamed row needs more than 32 threads per row")
-    block = threads * row_groups
-    per_sm = max(1, BACKWARD_THREADS_PER_SM // block)
-    if max_blocks_per_sm is not None:
-        per_sm = max(1, min(per_sm, max_blocks_per_sm))
-    chunk, chunks = _chunks(rows // groups, _ceil_div(sm_count * per_sm, groups), row_groups)
-    return GatedBackwardPlan("registers" if vecs else "stream", vec, threads, vecs, row_groups, block, chunk, chunks,
-                             chunks * groups)
 
 
 # -- gated: enum GatedFlags, enum Activation, struct GatedParams / GatedBackwardParams ------------
@@ -361,15 +265,16 @@ class GatedLauncher(SlotLauncher):
         return out
 
 
-class GatedBackwardLauncher:
+class GatedBackwardLauncher(GradLauncher):
     """Launches the backward of one rms_norm_gated signature: rms_norm_gated_backward_kernel,
-    then (more than one chunk of rows) the dweight reduction. As BackwardLauncher, a call
-    builds its arguments afresh."""
+    then (more than one chunk of rows) the dweight reduction."""
+
+    program = "gated_backward"
 
     def __init__(self, layout, scalars, kind, spec):
         call = layout.call
-        self.kind, self.layout, self.spec = kind, layout, spec
-        self.device = _driver.device(call.device)
+        super().__init__(kind, call.device, layout.weight_dtype, layout.groups * call.hidden)
+        self.layout, self.spec = layout, spec
         self.rows, self.hidden, self.itemsize = call.rows, call.hidden, call.itemsize
         st = call.row_strides
         xso, xsi = st.x
@@ -391,8 +296,6 @@ class GatedBackwardLauncher:
         self.params = params
         self._empty = kind.empty_getter(st.x, call.n_inner, call.hidden)
         self._by_vec = {}
-        self._reduce = None
-        self._lock = threading.Lock()
 
     def plan_and_function(self, vec):
         """The plan (its grid fitted to the kernel's occupancy) and kernel for a vector width."""
@@ -406,9 +309,7 @@ class GatedBackwardLauncher:
             name = gated_backward_instantiation_name(layout.call.dtype, layout.dy_dtype, layout.weight_dtype, plan,
                                                      self.spec.norm_before_gate, self.spec.activation)
             fn = kernel_cache.get(d.index, name, "gated_backward")
-            from cupy_backends.cuda.api import driver
-            _driver.ensure_context(d.index)
-            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, plan.block, 0)
+            per_sm = self.occupancy(fn, plan.block)
             plan = gated_backward_plan(self.rows, layout.groups, self.hidden, self.itemsize, vec, d.sm_count,
                                        max_blocks_per_sm=min(per_sm, cap or per_sm),
                                        threads_per_row=plan.threads_per_row, vecs_per_thread=plan.vecs_per_thread)
@@ -416,24 +317,8 @@ class GatedBackwardLauncher:
             entry = self._by_vec[vec] = (plan, _driver.KernelLaunch(fn.ptr, (plan.grid, 1), plan.block))
         return entry
 
-    def reduce_kernel(self):
-        if self._reduce is None:
-            fn = kernel_cache.get(self.device.index, reduce_instantiation_name(self.layout.weight_dtype),
-                                  "gated_backward")
-            grid = -(-self.layout.groups * self.hidden // REDUCE_COLUMNS)
-            self._reduce = _driver.KernelLaunch(fn.ptr, (grid, 1), REDUCE_BLOCK)
-        return self._reduce
-
-    def __call__(self, arrays, weight_grad=True):
-        """(dx, dgate, dweight) for ``arrays`` (GatedBackwardArrays); dweight is None without a
-        weight or when ``weight_grad`` is False."""
-        from cupy import cuda
-        if cuda.runtime.getDevice() == self.device.index:
-            return self._run(arrays, weight_grad)
-        with cuda.Device(self.device.index):
-            return self._run(arrays, weight_grad)
-
     def _run(self, arrays, weight_grad):
+        """(dx, dgate, dweight) for ``arrays`` (GatedBackwardArrays)."""
         kind, ptr = self.kind, self.kind.ptr
         dy, x, gate, w = arrays
         want_dw = w is not None and weight_grad
@@ -458,12 +343,5 @@ class GatedBackwardLauncher:
         argv, held = _argv([pdy, px, pz, pdx, pdz, ptr(w) if w is not None else 0,
                             ptr(partials) if partials is not None else 0, ptr(dweight) if dweight is not None else 0,
                             params])
-        with self._lock:
-            stream = kind.stream(self.device.index)
-            _driver.launch(self.device, kernel, stream, argv)
-            if want_dw and not direct:
-                rp = np.zeros(1, REDUCE_PARAMS_DTYPE)
-                rp["partials"], rp["hidden"] = plan.chunks, self.layout.groups * self.hidden
-                rargv, rheld = _argv([ptr(partials), ptr(dweight), rp])
-                _driver.launch(self.device, self.reduce_kernel(), stream, rargv)
+        self.launch(kernel, argv, partials, dweight, plan.chunks)
         return dx, dgate, dweight

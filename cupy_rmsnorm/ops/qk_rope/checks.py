@@ -3,7 +3,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ..._validate import DTYPES
-from .launch import QK_ROPE_MAX_HEAD_DIM
+from .plan import QK_ROPE_MAX_HEAD_DIM
 
 
 class QkRopeSpec(NamedTuple):
