@@ -144,3 +144,23 @@ def test_repeated_call_takes_the_last_hit_until_the_cache_is_cleared():
         assert isinstance(y, torch.Tensor) and len(seen) == 2
     finally:
         _cache.clear()
+
+
+def test_a_call_autograd_records_is_remembered_like_an_eager_one():
+    """The second call of an autograd signature takes the fast path: no checks, the same op."""
+    torch = pytest.importorskip("torch")
+    import cupy_rmsnorm as rn
+    x, w = torch.randn(2, 8), torch.ones(8, requires_grad=True)
+    _cache.clear()
+    try:
+        first = rn.rms_norm(x, w)
+        signature = _interop.signature_of(SPECS[False], (x, None, w, None, None), (1e-6, 0.0, "fp32", None))
+        assert _cache.launches.get(signature) is not None
+        second = rn.rms_norm(x, w)
+        assert _cache.last_hit[0] == signature and second.requires_grad and torch.equal(first, second)
+        second.sum().backward()
+        assert w.grad is not None
+        with torch.no_grad():                  # another signature: grad mode off, the direct path
+            assert not rn.rms_norm(x, w).requires_grad
+    finally:
+        _cache.clear()
