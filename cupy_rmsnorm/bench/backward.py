@@ -1,21 +1,7 @@
-"""``backward``: GPU time of the RMSNorm backward alone and of forward + backward, ours against
-the peers on the same torch tensors (weight of x's dtype, eps 1e-6), in graph mode (CUDA events
-around the replay of a graph of many calls) and cold mode (one call after a 512 MiB write
-flushed the L2); medians over rounds.
-
-- ours: ``rn.rms_norm_backward(dy, x, w)`` (backward); ``torch.autograd.grad`` through
-  ``rn.rms_norm`` (forward + backward: the registered op and its backward op);
-- F.rms_norm: ``torch.nn.functional.rms_norm`` under autograd;
-- torch.compile: ``(x.float() * rsqrt(mean(x.float()**2) + eps) * w.float()).to(x.dtype)``
-  under ``torch.compile(fullgraph=True)``, its compiled backward (AOTAutograd) included;
-- liger: Liger-Kernel's ``LigerRMSNormFunction`` (casting_mode "llama", in_place=False so
-  that dy survives the replays);
-- copy: a device copy moving the same bytes (the floor): the backward reads dy and x and
-  writes dx (3 x rows x hidden elements), forward + backward adds the forward's read and
-  write (5 x).
-The peers' backward-alone times are ``torch.autograd.grad(y, (x, w), dy, retain_graph=True)``
-on one recorded forward. ``agree dx`` / ``agree dw``: max |ours - F.rms_norm's| relative to
-max |F.rms_norm's|.
+"""``backward``: the RMSNorm backward alone and forward + backward, ours against the peers
+(F.rms_norm, torch.compile, Liger) and a copy of the same bytes, in graph and cold modes. The
+peers' backward alone is ``torch.autograd.grad`` on one recorded forward; ``agree dx`` / ``agree
+dw``: max |ours - F.rms_norm's| / max |F.rms_norm's|.
 """
 
 import sys
@@ -34,7 +20,7 @@ SHAPES = ((1, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (1024, 8192), (4
           (4096, 512), (4096, 2048), (4096, 4095))
 DEFAULTS = {"shapes": list(SHAPES), "dtypes": ["bfloat16", "float16"], "modes": list(MODES), "repeats": 7}
 QUICK = {"shapes": [(1, 4096), (4096, 4096), (4096, 4095)], "dtypes": ["bfloat16"], "repeats": 3}
-EPILOG = f"needs torch with CUDA; liger: {common.INSTALL_HINTS['liger']}\n\n{common.PEERS_HELP}"
+NEEDS = f"torch with CUDA; liger: {common.INSTALL_HINTS['liger']}"
 
 
 def add_arguments(p):
@@ -54,6 +40,8 @@ def requirements_missing(args):
 
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["dtype", "shape", "phase", "mode", *IMPLS, "ours / best", "ours / copy", "agree dx", "agree dw"]
+CSV_COLUMNS = {**dict.fromkeys(("dtype", "rows", "hidden", "phase", "mode")), **common.time_columns(IMPLS),
+               "agree_dx": ".3e", "agree_dw": ".3e"}
 
 
 def table_rows(results):
@@ -80,14 +68,6 @@ def format_report(payload):
 
 def format_markdown(payload):
     return _report(payload, markdown=True)
-
-
-def csv_table(payload):
-    header = ["dtype", "rows", "hidden", "phase", "mode"] + [f"{i}_us" for i in IMPLS] + ["agree_dx", "agree_dw"]
-    rows = [[r["dtype"], r["rows"], r["hidden"], r["phase"], r.get("mode", "graph"),
-             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS),
-             f"{r['agree_dx']:.3e}", f"{r['agree_dw']:.3e}"] for r in payload["results"]]
-    return header, rows
 
 
 def write_charts(payload, stem):
@@ -179,37 +159,26 @@ def run(args):
     common.log(f"backward on {payload['meta']['device']['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; "
                f"liger: {liger_why or 'yes'}")
     def measure(shape, dtype):
-        _measure_shape(torch, timing, args, payload, *shape, dtype, compiled, liger, runner, scratch, bandwidth)
+        _measure_shape(torch, args, payload, *shape, dtype, compiled, liger, runner, scratch, bandwidth)
     return common.run_sweep(sys.modules[__name__], args, payload, started, args.shapes, lambda s: f"{s[0]}x{s[1]}",
                             measure)
 
 
-def _measure_shape(torch, timing, args, payload, rows, hidden, dtype_name, compiled, liger, runner, scratch,
-                   bandwidth):
-    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + hidden)
+def _measure_shape(torch, args, payload, rows_, hidden, dtype_name, compiled, liger, runner, scratch, bandwidth):
+    gen = torch.Generator(device="cuda").manual_seed(rows_ * 7 + hidden)
     dtype = getattr(torch, dtype_name)
-    x = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype)
-    dy = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype)
+    x = torch.randn((rows_, hidden), generator=gen, device="cuda").to(dtype)
+    dy = torch.randn((rows_, hidden), generator=gen, device="cuda").to(dtype)
     w = (1 + 0.1 * torch.randn((hidden,), generator=gen, device="cuda")).to(dtype)
     agree_dx, agree_dw = _agreement(torch, x, w, dy)
     for phase in PHASES:
         nbytes = BYTES_PER_ELEMENT_MOVED[phase] * x.numel() * x.element_size()
-        for mode in args.modes:
-            us = {}
-            for impl in IMPLS:
-                us[impl] = None
-                if impl == "liger" and liger is None:
-                    continue
-                try:
-                    with runner.context():
-                        fn = _build(torch, impl, phase, x, w, dy, compiled, liger)
-                    calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
-                    us[impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
-                except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
-                    where = f"{impl} {phase} {mode} {dtype_name} {rows}x{hidden}"
-                    payload["errors"].append({"where": where, "error": common.error_text(e)})
-                    common.log(f"error: {where}: {common.error_text(e)}")
-            row = {"dtype": dtype_name, "rows": rows, "hidden": hidden, "phase": phase, "mode": mode,
-                   "us": us, "agree_dx": agree_dx, "agree_dw": agree_dw, "bytes": nbytes}
-            payload["results"].append(row)
-            common.log("  " + "  ".join(table_rows([row])[0]))
+        rows = common.mode_rows(args.modes, IMPLS, {"dtype": dtype_name, "rows": rows_, "hidden": hidden,
+                                                    "phase": phase, "agree_dx": agree_dx, "agree_dw": agree_dw,
+                                                    "bytes": nbytes}, checked=False)
+        for impl in IMPLS:
+            if impl != "liger" or liger is not None:
+                common.check_and_time(payload, args, rows, impl, runner,
+                                      lambda: _build(torch, impl, phase, x, w, dy, compiled, liger), nbytes=nbytes,
+                                      bandwidth=bandwidth, scratch=scratch, where=f"{phase} {dtype_name} {rows_}x{hidden}")
+        common.keep_rows(payload, rows, table_rows)

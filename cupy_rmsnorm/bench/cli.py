@@ -33,9 +33,11 @@ def build_parser():
     subparsers = parser.add_subparsers(dest="command", title="sub-commands", metavar="SUBCOMMAND")
     parsers = {}
     for name, module in SUBCOMMANDS.items():
+        listing = "".join(f"\n  {k:14s} {v}" for k, v in getattr(module, "DESCRIPTIONS", {}).items())
         sub = subparsers.add_parser(name, prog=f"{common.PROG} {name}", help=module.SUMMARY,
                                     description=module.__doc__.strip().replace("``", ""),
-                                    epilog=f"{module.EPILOG}\n\n{EXIT_CODES}",
+                                    epilog=(f"implementations:{listing}\n\n" if listing else "")
+                                    + f"needs {module.NEEDS}\n\n{EXIT_CODES}",
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
         parsers[name] = sub

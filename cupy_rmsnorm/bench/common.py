@@ -1,10 +1,7 @@
-"""What every sub-command shares: the common options and the shape syntax, exit codes, the
-no-GPU message, the checks for optional peers (with how to install them), what a report
-records about its run, the tables of a report sectioned by pass, mode and dtype, the copy
-floor and the agreement check of the torch sub-commands, and the writing of a report's files.
-
-Nothing here imports CuPy or torch at module level, so the command line and the reports
-work (and are tested) on a machine without a GPU.
+"""What every sub-command shares: options and shapes, exit codes, the no-GPU message, optional
+peers, run metadata, reports (tables, CSV, charts), the files and the check-then-time loop.
+Nothing here imports CuPy or torch at module level: the command line and the reports work
+without a GPU.
 """
 
 import argparse
@@ -388,13 +385,10 @@ def timing_cells(us, impls, peers):
 
 
 def notes(payload):
-    """What a run left out and what failed, a line each."""
+    """What a run left out, what failed and what else it noted, a line each."""
     return ([f"skipped {k}: {v}" for k, v in payload.get("skipped", {}).items()]
-            + [f"error: {e['where']}: {e['error']}" for e in payload.get("errors", [])])
-
-
-def markdown_table(headers, rows):
-    return render_table(headers, rows, markdown=True)
+            + [f"error: {e['where']}: {e['error']}" for e in payload.get("errors", []) if not e.get("skipped")]
+            + [f"note: {n}" for n in payload.get("notes", [])])
 
 
 def format_header(meta):
@@ -492,16 +486,7 @@ def sectioned_report(spec, payload, markdown=False):
     return render_report(payload, spec.heading, intro, sections, markdown)
 
 
-def sectioned_csv(payload, fields, impls):
-    """The CSV of a sectioned report: a row per result (op, mode, dtype, the case's ``fields``,
-    bytes), each implementation's time and each one's error but the copy's."""
-    errs = [i for i in impls if i != "copy"]
-    header = ["op", "mode", "dtype", *fields, "bytes"] + [f"{i}_us" for i in impls] + [f"{i}_err" for i in errs]
-    rows = [[r["op"], r["mode"], r["dtype"], *(r[f] for f in fields), r["bytes"],
-             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in impls),
-             *(None if r["err"].get(i) is None else f"{float(r['err'][i]):.3e}" for i in errs)]
-            for r in payload["results"]]
-    return header, rows
+
 
 
 # -- files --------------------------------------------------------------------------------------------
@@ -527,6 +512,30 @@ def load_json(path):
         return json.load(f)
 
 
+def csv_of(records, columns=None):
+    """(header, rows) of flat records: ``columns`` ({column: its format spec, or None for the value
+    as is}; default: every key, first seen first), a row per record."""
+    columns = columns or dict.fromkeys(k for r in records for k in r)
+    return list(columns), [[r.get(k) if r.get(k) is None or spec is None else format(float(r[k]), spec)
+                            for k, spec in columns.items()] for r in records]
+
+
+def time_columns(impls, checked=()):
+    """CSV columns: each implementation's microseconds (3 decimals), then each ``checked`` one's error."""
+    return {**{f"{i}_us": ".3f" for i in impls}, **{f"{i}_err": ".3e" for i in checked}}
+
+
+def flatten(record):
+    """A record's nested dicts as columns named after the inner key: {"us": {"ours": 1}} -> {"ours_us": 1}."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update({f"{inner}_{key}": v for inner, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
 def write_csv(path, header, rows):
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -535,17 +544,18 @@ def write_csv(path, header, rows):
 
 
 def write_report(module, payload, out, name, charts=True, with_json=True):
-    """A report's files in ``out``: NAME.json (the payload; not on a replot), NAME.csv,
-    NAME.md and, with matplotlib, the charts (``module``'s ``csv_table``,
-    ``format_markdown``, ``write_charts``). Returns the paths written."""
+    """A report's files in ``out``: NAME.json (the payload; not on a replot), NAME.csv (a row per
+    ``module.csv_records``, else per flattened result; ``module.CSV_COLUMNS``, else every field),
+    NAME.md and, with matplotlib, the charts.
+    Returns the paths written."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, name)
     written = []
     if with_json:
         write_json(stem + ".json", payload)
         written.append(stem + ".json")
-    header, rows = module.csv_table(payload)
-    write_csv(stem + ".csv", header, rows)
+    records = module.csv_records(payload) if hasattr(module, "csv_records") else map(flatten, payload["results"])
+    write_csv(stem + ".csv", *csv_of(list(records), getattr(module, "CSV_COLUMNS", None)))
     written.append(stem + ".csv")
     md = module.format_markdown(payload)
     if md:
@@ -606,6 +616,62 @@ def record_error(payload, where, e):
     text = e if isinstance(e, str) else error_text(e)
     payload["errors"].append({"where": where, "error": text})
     log(f"error: {where}: {text}")
+
+
+def mode_rows(modes, impls, record, checked=True):
+    """{mode: a result record}: ``record``'s fields, the mode, a time per implementation (None
+    until measured) and, where implementations are ``checked``, their errors."""
+    return {mode: {**record, "mode": mode, "us": dict.fromkeys(impls), **({"err": {}} if checked else {})}
+            for mode in modes}
+
+
+def keep_rows(payload, rows, table_rows):
+    """The records of ``mode_rows`` into the payload's results, each logged as its table row."""
+    for row in rows.values():
+        payload["results"].append(row)
+        log("  " + "  ".join(map(str, [row.get("op", ""), row["mode"], *table_rows([row])[0]])))
+
+
+def skip_unsupported(payload, counts, impl, reason):
+    """Whether ``impl`` cannot run here (``reason``), counted into the payload's skipped."""
+    if reason:
+        key = f"{impl} ({reason})"
+        counts[key] = counts.get(key, 0) + 1
+        payload["skipped"][key] = f"{counts[key]} cases"
+    return bool(reason)
+
+
+def check_and_time(payload, args, rows, impl, runner, make, *, nbytes, bandwidth, scratch, where, reference=None,
+                   tolerance=None):
+    """One implementation into ``rows`` (``mode_rows``): ``make()`` builds its call (None: it has
+    none); with a ``reference``, its first call is compared with it (past ``tolerance``: an error,
+    not timed); then it is timed in each of ``args.modes``. A failure is recorded, never raised."""
+    from . import timing
+    try:
+        with runner.context():
+            fn = make()
+            result = fn() if fn is not None and reference is not None else None
+        if fn is None:
+            return
+        runner.synchronize()
+        if reference is not None and impl != "copy":
+            err = disagreement(result, reference)
+            for row in rows.values():
+                row["err"][impl] = err
+            if not err <= tolerance:
+                record_error(payload, f"{impl} {where}", f"max |{impl} - reference| / max |reference| = {err:.2e}, "
+                             f"past the tolerance {tolerance}: not timed")
+                return
+        del result
+        calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
+    except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
+        record_error(payload, f"{impl} {where}", e)
+        return
+    for mode in args.modes:
+        try:
+            rows[mode]["us"][impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
+        except Exception as e:  # noqa: BLE001
+            record_error(payload, f"{impl} {mode} {where}", e)
 
 
 def disagreement(result, reference):

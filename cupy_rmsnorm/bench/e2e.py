@@ -1,40 +1,11 @@
-"""``e2e``: a whole model, HF's norms against ours and Liger's.
+"""``e2e``: a random Llama (``--model qwen3``: Qwen3) with HF's norms (``hf``), ours (``ours``,
+``ours_fused``: residual adds fused, ``ours_qk``: Qwen3's q/k norm with the rotation) and Liger's.
 
-A randomly initialized transformers ``LlamaForCausalLM`` (``--model qwen3``:
-``Qwen3ForCausalLM``, whose attention normalizes each query and key head; nothing
-downloaded) generates greedily, in two modes:
-
-- ``eager``: ``generate`` with the default dynamic cache, under ``torch.inference_mode()``;
-- ``compiled``: ``generate(cache_implementation="static")``, for which transformers
-  compiles the decode forward (torch.compile, ``mode="reduce-overhead"``: CUDA graphs;
-  ``fullgraph=True`` unless ``--no-fullgraph``; a variant that breaks the graph is
-  compiled again with breaks allowed, and its row marked). The prefill stays eager there.
-
-The variants are the same weights with other RMSNorm modules: ``hf`` (the model's RMSNorm
-as built), ``ours`` (``patch_hf_rmsnorm``), ``ours_fused`` (``patch_hf_rmsnorm(model,
-fuse_residual=True)``: each residual add inside the norm that follows it), ``ours_qk``
-(Qwen3 only: ``patch_hf_rmsnorm(model, fuse_qk_rope=True)``, q_norm, k_norm and the
-rotation as one op) and ``liger`` (Liger-Kernel's RMSNorm only). Each is a copy of the
-module tree that shares every weight, so the variants cost one model's memory.
-
-Measured per (mode, variant), the variants interleaved (A B C D A B C D ...) against
-machine drift: prefill = ``generate(max_new_tokens=1)``; decode per token =
-``(T(N new tokens) - T(1)) / (N - 1)`` of the same round. Also: logits agreement with
-``hf`` on one teacher-forced forward, the top-1 agreement of every variant (hf included)
-with the same model run in float32 (how far any bfloat16 norm is from the exact result:
-with random weights the logits are flat, and near ties flip on the last bit of a norm),
-and the graph breaks ``torch._dynamo.explain`` finds in a whole-model forward.
-
-The agreement has a floor: ``hf`` itself with its mean of squares taken in float64 and
-rounded to float32 (the most accurate float32 variance there is; every other op as HF
-writes it) moves the variance by its last bits only, as any other reduction order does.
-How often that flips a top-1 token against ``hf`` is what the check can tell at all
-(reported as "agreement floor"; the same module with the float32 mean must give ``hf``'s
-logits bit for bit, which the run checks).
-
-The pure parts (arguments, order, statistics, tables) need neither torch nor a GPU and
-are tested on a CPU; a hidden ``--device cpu`` runs the ``hf`` variant on a CPU to
-smoke the harness.
+Measured: a CUDA-graph decode step and a prefill (``serving``), and ``generate`` (eager, or
+compiled with a static cache): prefill = T(1 token), decode = (T(N) - T(1)) / (N - 1); the
+variants interleaved round by round against drift. Checked: logits and each norm's output
+against ``hf``, top-1 against the model in float32, and the floor of that check (``hf`` with its
+variance rounded once).
 """
 
 import argparse
@@ -74,20 +45,15 @@ HF_NORMS = {f.norm for f in FAMILIES.values()}
 
 VARIANTS = ("hf", "ours", "ours_fused", "ours_qk", "liger")
 VARIANT_TITLES = {
-    "hf": "transformers' RMSNorm of the model (LlamaRMSNorm, Qwen3RMSNorm), as built",
-    "ours": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model)",
-    "ours_fused": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model, fuse_residual=True): each residual add "
-                  "inside the norm that follows it, as one fused op (the MLP add with the next layer's "
-                  "input norm, or the final norm)",
-    "ours_qk": "cupy_rmsnorm.torch.patch_hf_rmsnorm(model, fuse_qk_rope=True) (Qwen3): the norms patched, "
-               "and each attention's q_norm, k_norm and rotation as one qk_norm_rope",
-    "liger": "Liger-Kernel's RMSNorm only: apply_liger_kernel_to_llama / _qwen3(rms_norm=True, model=model), "
-             "no rope / swiglu / cross-entropy patches",
+    "hf": "transformers' RMSNorm of the model, as built",
+    "ours": "patch_hf_rmsnorm(model)",
+    "ours_fused": "patch_hf_rmsnorm(model, fuse_residual=True)",
+    "ours_qk": "patch_hf_rmsnorm(model, fuse_qk_rope=True) (Qwen3)",
+    "liger": "Liger-Kernel's RMSNorm only (apply_liger_kernel_to_*(rms_norm=True), no other patch)",
 }
 MODES = ("eager", "compiled")
-MODE_TITLES = {"eager": "generate(do_sample=False), dynamic cache, torch.inference_mode()",
-               "compiled": "generate(cache_implementation='static'): decode forward under torch.compile "
-                           "(reduce-overhead, CUDA graphs); prefill eager"}
+MODE_TITLES = {"eager": "generate, dynamic cache, inference_mode",
+               "compiled": "generate(cache_implementation='static'): the decode forward compiled (CUDA graphs)"}
 BASELINE = "hf"
 EPS = 1e-6
 NORM_WEIGHT_STD = 0.1        # norm weights 1 + N(0, 0.1): at all-ones, llama and fp32 rounding agree
@@ -107,10 +73,8 @@ class Skipped(Exception):
 
 
 # -- arguments ------------------------------------------------------------------------------------
-EPILOG = ("variants:\n" + "\n".join(f"  {k:11s} {v}" for k, v in VARIANT_TITLES.items())
-          + "\n\nmodes:\n" + "\n".join(f"  {k:11s} {v}" for k, v in MODE_TITLES.items())
-          + f"\n\nneeds torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: "
-          + f"{common.INSTALL_HINTS['liger']}\n\n{common.PEERS_HELP}")
+DESCRIPTIONS = VARIANT_TITLES
+NEEDS = f"torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: {common.INSTALL_HINTS['liger']}"
 
 
 def add_arguments(p):
@@ -248,221 +212,121 @@ def fits_budget(elapsed_s, needed_s, budget_s):
     return budget_s is None or elapsed_s + needed_s <= budget_s
 
 
-# -- the tables --------------------------------------------------------------------------------------
-def _ms(v):
-    if v is None:
-        return "-"
-    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+# -- the report: one flat record per table row; the CSV holds the serving and generate ones ----------
+def serving_records(payload):
+    return [{"measure": r["measure"], "batch": r["batch"], "mode": r["mode"], "variant": r["variant"],
+             "us": r["us"]["median"], "us_min": r["us"]["min"], "us_max": r["us"]["max"], "rounds": r["us"]["n"],
+             "vs_hf": r["vs_hf"], "vs_hf_compiled": r["vs_hf_compiled"]}
+            for r in (payload.get("serving") or {}).get("results") or []]
 
 
-def _range(s):
-    return f"{_ms(s['min'])}-{_ms(s['max'])}" if s else "-"
+def generate_records(payload):
+    out = []
+    for r in payload["results"]:
+        v, compiled = r["variant"], r["mode"] == "compiled"
+        a = payload.get("agreement", {}).get(v) or {}
+        breaks = payload.get("graph_breaks", {}).get(v) or {}
+        timed = payload.get("compile", {}).get(f"compiled {v}") or {}
+        record = {"measure": "generate", "mode": r["mode"], "variant": v}
+        for key, median in (("prefill_ms", "prefill_ms"), ("decode_ms", "decode_ms_per_token")):
+            s = r[key] or {}
+            record.update({median: s.get("median"), **{f"{key}_{k}": s.get(k) for k in ("min", "max", "q1", "q3")}})
+        record.update(rounds=(r["decode_ms"] or r["prefill_ms"] or {}).get("n"), decode_vs_hf=r["decode_vs_hf"],
+                      prefill_vs_hf=r["prefill_vs_hf"], tokens_per_s=r["tokens_per_s"],
+                      top1_agree=a.get("top1_agree"), max_abs_logit_diff=a.get("max_abs_diff"),
+                      top1_vs_fp32=a.get("top1_vs_fp32"), max_abs_vs_fp32=a.get("max_abs_vs_fp32"),
+                      graph_breaks=("error" if breaks.get("error") else breaks.get("graph_break_count"))
+                      if compiled else None,
+                      timed_fullgraph=timed.get("fullgraph") if compiled else None)
+        out.append(record)
+    return out
 
 
-def _ratio(v):
-    return f"{v:.3f}" if v is not None else "-"
+def _cell(value, spec=".3f"):
+    return "-" if value is None else format(value, spec)
 
 
-def _cell(a, key, spec):
-    return format(a[key], spec) if a.get(key) is not None else "-"
+def _range(r, key):
+    return "-" if r[f"{key}_min"] is None else f"{common.fmt_us(r[f'{key}_min'])}-{common.fmt_us(r[f'{key}_max'])}"
 
 
-def _agree_cells(a):
-    """top-1 agreement and max |dlogit| against hf, then the same against float32."""
-    a = a or {}
-    return [_cell(a, "top1_agree", ".4f"), _cell(a, "max_abs_diff", ".3g"), _cell(a, "top1_vs_fp32", ".4f"),
-            _cell(a, "max_abs_vs_fp32", ".3g")]
-
-
+SERVING_HEADERS = ["measure", "batch", "mode", "variant", "us", "min-max", "vs hf (same mode)", "vs hf compiled"]
 AGREEMENT_HEADERS = ["variant", "top-1 agree", "max abs dlogit", "logits differing", "norm outputs differing",
                      "norm max ulps", "top-1 vs fp32", "max abs vs fp32"]
-FLOOR_VARIANT = "floor: hf, mean in float64"
+AGREEMENT_KEYS = (("top1_agree", ".4f"), ("max_abs_diff", ".3g"), ("logits_differing", ".2%"),
+                  ("norm_outputs_differing", ".4%"), ("norm_max_ulps", ".3g"), ("top1_vs_fp32", ".4f"),
+                  ("max_abs_vs_fp32", ".3g"))
+GENERATE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms/token", "min-max", "vs hf",
+                    "tokens/s", "top-1 agree", "max abs dlogit", "top-1 vs fp32", "max abs vs fp32", "graph breaks"]
+BREAKS_FOOTNOTE = "graph breaks *: timed with graph breaks allowed (compiled with fullgraph=False)"
+
+
+def serving_rows(records):
+    return [[r["measure"], str(r["batch"]), r["mode"], r["variant"], common.fmt_us(r["us"]), _range(r, "us"),
+             _cell(r["vs_hf"]), _cell(r["vs_hf_compiled"])] for r in records]
 
 
 def agreement_rows(payload):
-    """The bits table: per variant (and the floor) its logits and its norm outputs against hf's."""
-    found = dict(payload.get("agreement") or {})
-    if payload.get("agreement_floor"):
-        found[FLOOR_VARIANT] = payload["agreement_floor"]
-    if not any("norm_outputs_differing" in a for a in found.values()):
-        return []                     # a report from before the norm outputs were compared
-    return [[name, _cell(a, "top1_agree", ".4f"), _cell(a, "max_abs_diff", ".3g"),
-             _cell(a, "logits_differing", ".2%"), _cell(a, "norm_outputs_differing", ".4%"),
-             _cell(a, "norm_max_ulps", ".3g"), _cell(a, "top1_vs_fp32", ".4f"), _cell(a, "max_abs_vs_fp32", ".3g")]
-            for name, a in found.items()]
+    """Per variant (and the floor): its logits and its norm outputs against hf's."""
+    found = dict(payload.get("agreement") or {}, **({"floor: hf, mean in float64": payload["agreement_floor"]}
+                                                   if payload.get("agreement_floor") else {}))
+    return [[name, *(_cell(a.get(k), spec) for k, spec in AGREEMENT_KEYS)] for name, a in found.items()]
 
 
-def _breaks_cell(breaks, compiled):
-    """Explain's graph-break count; ``*`` when the timed compile allowed graph breaks."""
-    if not breaks:
-        return "-"
-    text = "error" if breaks.get("error") else str(breaks["graph_break_count"])
-    return text + ("*" if compiled and not compiled.get("fullgraph", True) else "")
-
-
-BREAKS_FOOTNOTE = "*: timed with graph breaks allowed (compiled with fullgraph=False)"
-TABLE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms/token", "min-max", "vs hf",
-                 "tokens/s", "top-1 agree", "max abs dlogit", "top-1 vs fp32", "max abs vs fp32", "graph breaks"]
-
-
-def table_rows(payload):
-    """The cells of the table, one row per summary row (mode, variant)."""
-    out = []
-    for r in payload["results"]:
-        v = r["variant"]
-        compiled = r["mode"] == "compiled"
-        breaks = _breaks_cell(payload.get("graph_breaks", {}).get(v),
-                              payload.get("compile", {}).get(f"compiled {v}")) if compiled else "-"
-        out.append([r["mode"], v, _ms(r["prefill_ms"] and r["prefill_ms"]["median"]), _range(r["prefill_ms"]),
-                    _ratio(r["prefill_vs_hf"]), _ms(r["decode_ms"] and r["decode_ms"]["median"]),
-                    _range(r["decode_ms"]), _ratio(r["decode_vs_hf"]),
-                    f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "-",
-                    *_agree_cells(payload.get("agreement", {}).get(v)),
-                    breaks])
-    return out
+def generate_rows(records):
+    return [[r["mode"], r["variant"], common.fmt_us(r["prefill_ms"]), _range(r, "prefill_ms"),
+             _cell(r["prefill_vs_hf"]), common.fmt_us(r["decode_ms_per_token"]), _range(r, "decode_ms"),
+             _cell(r["decode_vs_hf"]), _cell(r["tokens_per_s"], ".1f"), _cell(r["top1_agree"], ".4f"),
+             _cell(r["max_abs_logit_diff"], ".3g"), _cell(r["top1_vs_fp32"], ".4f"), _cell(r["max_abs_vs_fp32"], ".3g"),
+             "-" if r["graph_breaks"] is None else f"{r['graph_breaks']}{'*' if r['timed_fullgraph'] is False else ''}"]
+            for r in records]
 
 
 def describe(meta):
     c = meta["config"]
-    family = FAMILIES[meta.get("model", "llama")].title
-    return (f"{family} {c['num_hidden_layers']} layers x {c['hidden_size']} (intermediate {c['intermediate_size']}, "
-            f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocab {c['vocab_size']}), "
-            f"{meta['dtype']}, batch {meta['batch']}, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, "
-            f"{meta['repeats']} interleaved rounds, on {(meta.get('device') or {}).get('gpu', '?')}")
+    return (f"{FAMILIES[meta.get('model', 'llama')].title} {c['num_hidden_layers']} layers x {c['hidden_size']} "
+            f"(intermediate {c['intermediate_size']}, {c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
+            f"vocab {c['vocab_size']}), {meta['dtype']}, batch {meta['batch']}, prompt {meta['prompt']}, "
+            f"{meta['new_tokens']} new tokens, {meta['repeats']} interleaved rounds")
 
 
 def floor_line(payload):
-    """The agreement floor in words, or None when it was not measured."""
     f = payload.get("agreement_floor")
-    if not f:
-        return None
-    line = (f"agreement floor (hf with its mean of squares in float64, rounded once, vs hf): top-1 "
-            f"{f['top1_agree']:.4f}, max abs dlogit {f['max_abs_diff']:.3g}")
-    if "top1_vs_fp32" in f:
-        line += f"; vs fp32: top-1 {f['top1_vs_fp32']:.4f}, max abs {f['max_abs_vs_fp32']:.3g}"
-    return line + f"; hf's arithmetic reimplemented: max abs dlogit {f['reimplementation_max_abs_diff']:.3g}"
+    return f and (f"agreement floor (hf with its mean of squares in float64 vs hf): top-1 {f['top1_agree']:.4f}; "
+                  f"hf's arithmetic reimplemented: max abs dlogit {f['reimplementation_max_abs_diff']:.3g}")
+
+
+def _report(payload, markdown=False):
+    meta, steps, runs = payload["meta"], serving_records(payload), generate_records(payload)
+    sections = []
+    if steps:
+        sections.append((f"GPU time of a decode step at context {meta['context']} (one CUDA graph replayed "
+                         f"{meta['replays']} times a sample) and of a {meta['prefill']}-token prefill, microseconds",
+                         SERVING_HEADERS, serving_rows(steps), (0, 2, 3), None))
+    if payload.get("agreement"):
+        sections.append(("agreement with hf on one teacher-forced forward: logits, and each norm on hf's own input",
+                         AGREEMENT_HEADERS, agreement_rows(payload), (0,), floor_line(payload)))
+    if runs:
+        rows = generate_rows(runs)
+        sections.append(("generate, milliseconds (transformers' Python loop included: about 2 ms a token)",
+                         GENERATE_HEADERS, rows, (0, 1),
+                         BREAKS_FOOTNOTE if any(r[-1].endswith("*") for r in rows) else None))
+    intro = [describe(meta), "medians and min-max over rounds; vs hf below 1: faster than with HF's norms"]
+    return common.render_report(payload, "End to end", intro, sections, markdown) + (
+        "" if sections else "\nnothing was measured")
 
 
 def format_report(payload):
-    """The console report: what ran, what was left out, then the table (the last lines)."""
-    meta, rows = payload["meta"], payload["results"]
-    lines = [f"e2e: {describe(meta)}", common.format_header(meta),
-             ("prefill: generate(max_new_tokens=1); decode: (T(N) - T(1)) / (N - 1) of one round; "
-              "median and min-max over rounds; agreement: teacher-forced logits vs hf, and top-1 vs the "
-              "model in float32")]
-    for name, why in payload.get("skipped", {}).items():
-        lines.append(f"skipped: {name}: {why}")
-    for e in payload.get("errors", []):
-        lines.append(f"error: {e['where']}: {e['error']}")
-    for note in payload.get("notes", []):
-        lines.append(f"note: {note}")
-    floor = floor_line(payload)
-    if floor:
-        lines.append(floor)
-    steps = serving_rows(payload)
-    if steps:
-        lines += ["", serving_line(meta), common.render_table(serving.TABLE_HEADERS, serving.table_rows(steps),
-                                                              left=(0, 2, 3))]
-    bits = agreement_rows(payload)
-    if bits:
-        lines += ["", AGREEMENT_LINE, common.render_table(AGREEMENT_HEADERS, bits)]
-    if rows:
-        cells = table_rows(payload)
-        lines += ["", GENERATE_LINE, common.render_table(TABLE_HEADERS, cells, left=(0, 1))]
-        if any(c[-1].endswith("*") for c in cells):
-            lines.append(BREAKS_FOOTNOTE)
-    elif not steps:
-        lines.append("nothing was measured")
-    return "\n".join(lines)
-
-
-def serving_rows(payload):
-    return (payload.get("serving") or {}).get("results") or []
-
-
-def serving_line(meta):
-    return (f"GPU time of what a server runs: decode step at context {meta['context']} (static cache, one CUDA "
-            f"graph replayed {meta['replays']} times per sample) and a prefill of {meta['prefill']} tokens; "
-            f"microseconds, median and min-max over rounds")
-
-
-AGREEMENT_LINE = ("agreement with hf on one teacher-forced forward: logits, and each norm module run on hf's "
-                  "own input to it (its arithmetic alone, not what the model makes of it)")
-GENERATE_LINE = "generate (the Python of transformers' loop included: about 2 ms a token)"
+    return _report(payload)
 
 
 def format_markdown(payload):
-    """A Markdown table for the README."""
-    meta, rows = payload["meta"], payload["results"]
-    steps = serving_rows(payload)
-    if not rows and not steps:
-        return ""
-    unit = "Median" if steps else "Milliseconds, median"     # the serving table is in microseconds
-    lines = [(f"End to end: {describe(meta)}. {unit} over rounds (min-max); "
-              f"vs hf below 1: faster than with HF's norms."), "", common.format_header(meta).replace("\n", "  \n")]
-    if steps:
-        lines += ["", serving_line(meta) + ".", "", common.markdown_table(serving.TABLE_HEADERS, serving.table_rows(steps))]
-    bits = agreement_rows(payload)
-    if bits:
-        lines += ["", AGREEMENT_LINE + ":", "", common.markdown_table(AGREEMENT_HEADERS, bits)]
-    if not rows:
-        return "\n".join(lines) + "\n"
-    if steps:
-        lines += ["", GENERATE_LINE + ", milliseconds:"]
-    lines += ["", "| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
-    cells = table_rows(payload)
-    lines += ["| " + " | ".join(c) + " |" for c in cells]
-    if any(c[-1].endswith("*") for c in cells):
-        lines += ["", BREAKS_FOOTNOTE]
-    floor = floor_line(payload)
-    if floor:
-        lines += ["", floor[0].upper() + floor[1:] + "."]
-    notes = [f"{k}: {v}" for k, v in payload.get("skipped", {}).items()]
-    if notes:
-        lines += ["", "Skipped: " + "; ".join(notes) + "."]
-    return "\n".join(lines) + "\n"
+    return _report(payload, markdown=True) if payload["results"] or serving_records(payload) else ""
 
 
-CSV_FIELDS = ("mode", "variant", "prefill_ms", "prefill_ms_min", "prefill_ms_max", "prefill_ms_q1", "prefill_ms_q3",
-              "decode_ms_per_token", "decode_ms_min", "decode_ms_max", "decode_ms_q1", "decode_ms_q3", "rounds",
-              "decode_vs_hf", "prefill_vs_hf", "tokens_per_s", "top1_agree", "max_abs_logit_diff", "top1_vs_fp32",
-              "max_abs_vs_fp32",
-              "graph_breaks", "timed_fullgraph")
+def csv_records(payload):
+    return serving_records(payload) + generate_records(payload)
 
-
-SERVING_CSV_FIELDS = ("measure", "batch", "mode", "variant", "us", "us_min", "us_max", "rounds", "vs_hf",
-                      "vs_hf_compiled")
-
-
-def csv_table(payload):
-    out = []
-    for r in payload["results"]:
-        p, d = r["prefill_ms"] or {}, r["decode_ms"] or {}
-        a = payload.get("agreement", {}).get(r["variant"]) or {}
-        b = payload.get("graph_breaks", {}).get(r["variant"]) or {}
-        compiled = payload.get("compile", {}).get(f"compiled {r['variant']}") or {}
-        out.append({"mode": r["mode"], "variant": r["variant"],
-                    "prefill_ms": p.get("median"), "prefill_ms_min": p.get("min"), "prefill_ms_max": p.get("max"),
-                    "prefill_ms_q1": p.get("q1"), "prefill_ms_q3": p.get("q3"),
-                    "decode_ms_per_token": d.get("median"), "decode_ms_min": d.get("min"),
-                    "decode_ms_max": d.get("max"), "decode_ms_q1": d.get("q1"), "decode_ms_q3": d.get("q3"),
-                    "rounds": d.get("n") or p.get("n"), "decode_vs_hf": r["decode_vs_hf"],
-                    "prefill_vs_hf": r["prefill_vs_hf"], "tokens_per_s": r["tokens_per_s"],
-                    "top1_agree": a.get("top1_agree"), "max_abs_logit_diff": a.get("max_abs_diff"),
-                    "top1_vs_fp32": a.get("top1_vs_fp32"), "max_abs_vs_fp32": a.get("max_abs_vs_fp32"),
-                    "graph_breaks": b.get("graph_break_count") if r["mode"] == "compiled" else None,
-                    "timed_fullgraph": compiled.get("fullgraph") if r["mode"] == "compiled" else None})
-    steps = serving_rows(payload)
-    if not steps:
-        return list(CSV_FIELDS), [[row[k] for k in CSV_FIELDS] for row in out]
-    # a run with the serving measures: their rows first, each table's columns empty in the other's rows
-    fields = list(SERVING_CSV_FIELDS) + [k for k in CSV_FIELDS if k not in SERVING_CSV_FIELDS]
-    for row in out:
-        row["measure"] = "generate"
-    out = [{"measure": r["measure"], "batch": r["batch"], "mode": r["mode"], "variant": r["variant"],
-            "us": r["us"]["median"], "us_min": r["us"]["min"], "us_max": r["us"]["max"], "rounds": r["us"]["n"],
-            "vs_hf": r["vs_hf"], "vs_hf_compiled": r["vs_hf_compiled"]} for r in steps] + out
-    return fields, [[row.get(k) for k in fields] for row in out]
 
 
 # -- the measuring loop (torch-free: it gets the timing function) --------------------------------------
@@ -493,13 +357,10 @@ def measure_rounds(mode, variants, repeats, new_tokens, time_generate, log, cloc
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
             failed.add(variant)
             timings = [t for t in timings if not (t["variant"] == variant and t["round"] == rnd)]
-            errors.append({"where": f"{mode} {variant} round {rnd}", "error": _err_text(e)})
-            log(f"error: {mode} {variant}: {_err_text(e)}")
+            errors.append({"where": f"{mode} {variant} round {rnd}", "error": common.error_text(e)})
+            log(f"error: {mode} {variant}: {common.error_text(e)}")
     return timings, errors, notes
 
-
-def _err_text(e):
-    return common.error_text(e, limit=400)
 
 
 # -- the model and its variants (torch from here on) ------------------------------------------------------
@@ -541,7 +402,7 @@ def apply_liger_rms_norm(model, family):
         import liger_kernel.transformers as liger
         patch = getattr(liger, family.liger_patch)
     except Exception as e:  # noqa: BLE001 - not installed, or Triton missing
-        raise Skipped(f"liger_kernel is not importable ({_err_text(e)})") from None
+        raise Skipped(f"liger_kernel is not importable ({common.error_text(e)})") from None
     modeling = importlib.import_module(family.modeling)
     saved = getattr(modeling, family.norm)
     try:
@@ -576,7 +437,7 @@ def make_variant(name, base, device, family):
             if not any(k in str(e) for k in keywords):
                 raise
             raise Skipped(f"this cupy_rmsnorm's patch_hf_rmsnorm has no {', '.join(keywords)} keyword "
-                          f"({_err_text(e)})") from None
+                          f"({common.error_text(e)})") from None
         if name == "ours_qk" and not any(getattr(m, "_cupy_rmsnorm_qk_rope", None) for m in model.modules()):
             raise RuntimeError("fuse_qk_rope rewrote no attention module")
     if not replaced:
@@ -805,8 +666,7 @@ class TimedGenerate:
         return seconds
 
 
-def log(msg):
-    common.log(msg)
+log = common.log
 
 
 def run(args):
@@ -858,8 +718,7 @@ def measure_all(args, payload, elapsed, deadline):
             payload["skipped"][name] = str(e)
             log(f"skipped: {name}: {e}")
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
-            payload["errors"].append({"where": f"patch {name}", "error": _err_text(e)})
-            log(f"error: patch {name}: {_err_text(e)}")
+            common.record_error(payload, f"patch {name}", e)
         after = modeling_fingerprint(family)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         if changed:
@@ -878,8 +737,7 @@ def measure_all(args, payload, elapsed, deadline):
         try:
             exact = float32_logits(base, ids)
         except Exception as e:  # noqa: BLE001 - a float32 copy may not fit: the run goes on without it
-            payload["notes"].append(f"no agreement with the float32 model: {_err_text(e)}")
-            log(f"note: no agreement with the float32 model: {_err_text(e)}")
+            payload["notes"].append(f"no agreement with the float32 model: {common.error_text(e)}")
     if exact is not None:
         payload["agreement"][BASELINE] = against_exact(reference, exact)
     for name in [n for n in models if n != BASELINE]:
@@ -890,14 +748,12 @@ def measure_all(args, payload, elapsed, deadline):
             if exact is not None:
                 payload["agreement"][name].update(against_exact(logits, exact))
         except Exception as e:  # noqa: BLE001
-            payload["errors"].append({"where": f"agreement {name}", "error": _err_text(e)})
-            log(f"error: agreement {name}: {_err_text(e)}")
+            common.record_error(payload, f"agreement {name}", e)
             del models[name]
     try:
         payload["agreement_floor"] = agreement_floor(base, ids, reference, exact, calls)
     except Exception as e:  # noqa: BLE001 - the floor is context, not a variant
-        payload["errors"].append({"where": "agreement floor", "error": _err_text(e)})
-        log(f"error: agreement floor: {_err_text(e)}")
+        common.record_error(payload, "agreement floor", e)
     blind = payload.get("agreement_floor", {}).get("logits_differing") == 0.0
     if blind:
         payload["notes"].append(f"the agreement check is blind at this size: hf with its mean of squares in "
@@ -912,7 +768,7 @@ def measure_all(args, payload, elapsed, deadline):
             try:
                 payload["graph_breaks"][name] = graph_breaks(model, short)
             except Exception as e:  # noqa: BLE001 - reported in the table as "error"
-                payload["graph_breaks"][name] = {"error": _err_text(e)}
+                payload["graph_breaks"][name] = {"error": common.error_text(e)}
             payload["graph_breaks"][name]["seconds"] = time.perf_counter() - t0
             log(f"graph breaks of {name}: {payload['graph_breaks'][name].get('graph_break_count', 'error')}")
     if "compiled" in args.modes or "compiled" in args.step_modes:
@@ -971,8 +827,7 @@ def measure_serving(args, payload, models, elapsed, deadline):
                     timers[key] = functools.partial(serving.Prefill(model, prefill_ids).capture().time_us,
                                                     PREFILL_REPLAYS)
             except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
-                payload["errors"].append({"where": f"serving {where}", "error": _err_text(e)})
-                log(f"error: serving {where}: {_err_text(e)}")
+                common.record_error(payload, f"serving {where}", e)
     log(f"serving: {args.repeats} rounds of {len(timers)} measures ...")
     samples, errors, notes = serving.interleaved_rounds(timers, args.repeats, log, deadline)
     payload["serving"] = {"samples": samples, "results": serving.summarize(samples)}
@@ -1021,7 +876,7 @@ def _warm_up_one(mode, name, generate, args, payload, elapsed):
         for n in (args.new_tokens, 1, args.new_tokens):
             generate(name, n)
     except Exception as e:  # noqa: BLE001 - reported; the other variants go on
-        error, graph_break = _err_text(e), is_dynamo_error(e)
+        error, graph_break = common.error_text(e), is_dynamo_error(e)
     delta = counter_delta(before, dynamo_counters())
     payload["compile"][key] = {"warmup_s": time.perf_counter() - t0,
                                "fullgraph": fullgraph if mode == "compiled" else None,

@@ -27,9 +27,8 @@ QUICK_SHAPES = ((1, 4096), (256, 4096), (4096, 4096), (4096, 4095), (1, 8192))
 DEFAULTS = {"shapes": list(DEFAULT_SHAPES), "dtypes": ["bfloat16", "float16"], "modes": list(timing.MODES)}
 QUICK = {"shapes": list(QUICK_SHAPES), "dtypes": ["bfloat16"]}
 
-EPILOG = ("implementations:\n" + "\n".join(f"  {name:14s} {text}" for name, text in peers.DESCRIPTIONS.items())
-          + "\n\nmodes:\n" + "\n".join(f"  {timing.MODE_TITLES[m]}" for m in timing.MODES)
-          + "\n\n" + common.PEERS_HELP)
+DESCRIPTIONS = peers.DESCRIPTIONS
+NEEDS = "CuPy; the torch peers torch with CUDA, liger: " + common.INSTALL_HINTS["liger"]
 
 
 def add_arguments(p):
@@ -73,7 +72,7 @@ def requirements_missing(args):
 
 format_report = forward_report.format_report
 format_markdown = forward_report.format_markdown
-csv_table = forward_report.csv_table
+csv_records = forward_report.csv_records
 write_charts = forward_report.write_charts
 
 

@@ -181,12 +181,10 @@ def format_markdown(payload):
 
 
 # -- files ------------------------------------------------------------------------------------------
-def csv_table(payload):
-    """(header, rows): one row per record, the plan flattened into plan_* columns."""
-    records = payload["results"]
-    keys = list(dict.fromkeys(k for r in records for k in (r.get("plan") or {})))
-    rows = [[r.get(k) for k in FIELDS] + [(r.get("plan") or {}).get(k) for k in keys] for r in records]
-    return list(FIELDS) + [f"plan_{k}" for k in keys], rows
+def csv_records(payload):
+    """The records, the launch plan's fields as plan_* columns."""
+    return [{**{k: v for k, v in r.items() if k != "plan"}, **{f"plan_{k}": v for k, v in (r.get("plan") or {}).items()}}
+            for r in payload["results"]]
 
 
 CHART_MODES = ("graph", "cold")

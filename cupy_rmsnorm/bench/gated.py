@@ -1,36 +1,9 @@
-"""``gated``: GPU time of the gated RMSNorm against its peers, forward, backward and forward +
-backward, on the same torch tensors (weight of x's dtype, eps 1e-6, SiLU), in graph mode
-(CUDA events around the replay of a graph of many calls) and cold mode (one call after a
-512 MiB write flushed the L2); medians over rounds. Orders: norm-gate, y = rmsnorm(x) * w *
-silu(gate) (Qwen3-Next, Gated DeltaNet); gate-norm, y = rmsnorm(x * silu(gate)) * w (Mamba2).
-
-Cases: TxHxD (Gated DeltaNet's output norm): x and the gate are (T, H, D) views into one packed
-(T, 2*H*D) buffer, the gate a strided view as it is in a model, each head normalized on its own
-with a weight of D; TxW: whole rows of W channels, with group size none (the row) or G (each G
-channels normalized on their own, the weight spanning the row).
-
-- ours: the library's torch path: ``rn.rms_norm_gated`` (forward), ``rn.rms_norm_gated_backward``
-  (backward), autograd through ``cupy_rmsnorm.torch.RMSNormGated`` (forward + backward);
-- ours_cupy: the same functions on CuPy views of the same memory, for reference (forward +
-  backward: the two calls);
-- fla: flash-linear-attention's ``FusedRMSNormGated`` (Triton; FLA's Gated DeltaNet output
-  norm): norm before the gate only, no group size; it copies x and the gate to contiguous first;
-- fla_grouped: FLA's ``RMSNormGated`` (Tri Dao's Mamba2 kernel in Triton): group size and both
-  orders, SiLU only; it also copies its inputs to contiguous;
-- torch.compile: the Hugging Face formula as one torch function under
-  ``torch.compile(fullgraph=True, dynamic=False)`` (one graph per shape), its compiled backward
-  included;
-- hf: Hugging Face's eager module: ``Qwen3NextRMSNormGated`` (norm-gate, no groups) or Mamba2's
-  ``MambaRMSNormGated`` (gate-norm, groups);
-- copy: a device copy moving the same bytes (the floor): the forward reads x and the gate and
-  writes y (3 arrays of x's size), the backward reads x, the gate and dy and writes dx and dgate
-  (5), forward + backward both (8); the weight is left out.
-
-The peers' backward alone is ``torch.autograd.grad(y, (x, gate, weight), dy, retain_graph=True)``
-on one forward recorded outside the timed region. Before it is timed, each implementation's
-outputs (y; or dx, dgate and dweight) are compared with ours in float32: ``err`` is max |theirs -
-ours| / max |ours| over the outputs; past the tolerance (a few bfloat16 units) it is an error and
-the implementation is not timed in that case.
+"""``gated``: the gated RMSNorm against its peers, forward, backward and forward + backward, in
+graph and cold modes. Orders: norm-gate, y = rmsnorm(x) * w * silu(gate) (Qwen3-Next, Gated
+DeltaNet); gate-norm, y = rmsnorm(x * silu(gate)) * w (Mamba2). Cases: TxHxD, x and the gate
+(T, H, D) views into one packed (T, 2*H*D) buffer, each head normalized; TxW, whole rows, each
+group of channels normalized. Each implementation's outputs are checked against ours before
+it is timed (err: max |theirs - ours| / max |ours|).
 """
 
 import functools
@@ -76,9 +49,8 @@ DESCRIPTIONS = {
 }
 NOTE = ("TxHxD: x and the gate (T, H, D) views into one packed (T, 2*H*D) buffer, each head normalized; "
         "TxW: whole rows, group: channels normalized together; err: max |theirs - ours| / max |ours|")
-EPILOG = ("implementations:\n" + "\n".join(f"  {name:14s} {text}" for name, text in DESCRIPTIONS.items())
-          + f"\n\nneeds torch with CUDA; fla, fla_grouped: {common.INSTALL_HINTS['fla']}; hf: "
-          f"{common.INSTALL_HINTS['transformers']}\n\n{common.PEERS_HELP}")
+NEEDS = (f"torch with CUDA; fla, fla_grouped: {common.INSTALL_HINTS['fla']}; hf: "
+         f"{common.INSTALL_HINTS['transformers']}")
 
 
 class Case(NamedTuple):
@@ -219,6 +191,8 @@ def availability(names):
 
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["shape", "group", "order", *IMPLS, "ours / best", "ours / copy", "max err"]
+CSV_COLUMNS = {**dict.fromkeys(("op", "mode", "dtype", *Case._fields, "bytes")),
+               **common.time_columns(IMPLS, checked=IMPLS[:-1])}
 
 
 def table_rows(results):
@@ -236,10 +210,6 @@ def format_report(payload):
 
 def format_markdown(payload):
     return common.sectioned_report(REPORT, payload, markdown=True)
-
-
-def csv_table(payload):
-    return common.sectioned_csv(payload, Case._fields, IMPLS)
 
 
 def write_charts(payload, stem):
@@ -412,60 +382,30 @@ def run(args):
     common.log(f"gated on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; {len(todo)} cases x "
                f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
                + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
-    unsupported_counts = {}
-    def measure(case, dtype):
-        _measure_case(torch, timing, args, payload, case, dtype, impls, runners, scratch, bandwidth,
-                      unsupported_counts)
+    measure = functools.partial(measure_case, torch, args, payload, impls, runners, scratch, bandwidth, {})
     return common.run_sweep(sys.modules[__name__], args, payload, started, todo, describe, measure)
 
 
-def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runners, scratch, bandwidth, counts):
-    """Every pass, implementation and mode of one case and dtype: each implementation built and
-    checked against ours once per pass, then timed in each mode."""
+def measure_case(torch, args, payload, impls, runners, scratch, bandwidth, counts, case, dtype_name):
+    """Every pass, implementation and mode of one case and dtype: each implementation built, its first
+    call checked, then timed in each mode."""
     inputs = make_inputs(torch, case, getattr(torch, dtype_name), "cuda", seed=case.tokens * 7 + case.width)
     torch.cuda.synchronize()            # ready before the runners' streams read them
     where = f"{dtype_name} {describe(case)}"
     for op in args.ops:
         nbytes = moved_bytes(op, case, inputs["x"].element_size())
         try:   # ours' outputs, the reference of every check: y, or the backward's (dx, dgate, dweight)
-            reference = build(torch, "ours", "fwd" if op == "fwd" else "bwd", case, inputs)()
+            want = build(torch, "ours", "fwd" if op == "fwd" else "bwd", case, inputs)()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - nothing to check the others against: the next pass
             common.record_error(payload, f"ours {op} {where}", e)
             continue
-        rows = {mode: {**case._asdict(), "op": op, "mode": mode, "dtype": dtype_name, "bytes": nbytes,
-                       "us": dict.fromkeys(impls), "err": {}} for mode in args.modes}
+        rows = common.mode_rows(args.modes, impls, {**case._asdict(), "op": op, "dtype": dtype_name,
+                                                    "bytes": nbytes})
         for impl in impls:
-            reason = unsupported(impl, case)
-            if reason:
-                key = f"{impl} ({reason})"
-                counts[key] = counts.get(key, 0) + 1
-                payload["skipped"][key] = f"{counts[key]} cases"
-                continue
-            runner = runners["cupy" if impl in CUPY_IMPLS else "torch"]
-            try:
-                with runner.context():
-                    fn = build(torch, impl, op, case, inputs)
-                result = timing.warm_up(runner, fn)
-                if impl != "copy":
-                    err = common.disagreement(result, reference)
-                    for row in rows.values():
-                        row["err"][impl] = err
-                    if not err <= TOLERANCE:
-                        common.record_error(payload, f"{impl} {op} {where}", f"max |{impl} - ours| / max |ours| = {err:.2e}, "
-                               f"past the tolerance {TOLERANCE}: not timed")
-                        continue
-                del result
-                calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
-            except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
-                common.record_error(payload, f"{impl} {op} {where}", e)
-                continue
-            for mode in args.modes:
-                try:
-                    rows[mode]["us"][impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
-                except Exception as e:  # noqa: BLE001
-                    common.record_error(payload, f"{impl} {op} {mode} {where}", e)
-            del fn
-        for row in rows.values():
-            payload["results"].append(row)
-            common.log("  " + "  ".join(map(str, [op, row["mode"], dtype_name, *table_rows([row])[0]])))
+            if not common.skip_unsupported(payload, counts, impl, unsupported(impl, case)):
+                common.check_and_time(payload, args, rows, impl, runners["cupy" if impl in CUPY_IMPLS else "torch"],
+                                      lambda: build(torch, impl, op, case, inputs), nbytes=nbytes,
+                                      bandwidth=bandwidth, scratch=scratch, where=f"{op} {where}", reference=want,
+                                      tolerance=TOLERANCE)
+        common.keep_rows(payload, rows, table_rows)

@@ -1,48 +1,9 @@
-"""``qk_rope``: GPU time of QK norm + RoPE, the attention input of Qwen3 (``qk_norm_rope``: each
-head of q and k RMS-normalized with its own weight, then rotated by its token's angles, NeoX
-halves, full rotary), against its peers on the same torch tensors (weights of q's dtype, eps 1e-6,
-Qwen3's casting: the normalized value rounded to the dtype before the weight multiply, "llama"),
-in graph mode (CUDA events around the replay of a graph of many calls) and cold mode (one call
-after a 512 MiB write flushed the L2); medians over rounds.
-
-Cases: TxHQ/HKxD: q (T, HQ, D) and k (T, HK, D) are per-head views into one packed
-(T, (HQ + 2*HK) * D) projection output (v after them, never touched), as a serving engine's qkv
-projection leaves them. Each token has a random position in [0, 32768) (rope theta 1e6); an
-implementation takes its angles as vLLM's convention (int64 positions and a float32 cos_sin_cache
-of (32768, D), cos then sin) or as transformers' ((T, D) cos and sin in q's dtype, as Qwen3's
-rotary embedding returns them), whichever it needs.
-
-Passes: fwd, in place where the implementation can (the outputs written into the packed buffer's
-views; not restored between calls: every call normalizes again, so the values stay bounded); fwdbwd,
-out of place: ``torch.autograd.grad`` of (q_out, k_out) for q, k, q_weight and k_weight given random
-output gradients (q and k leaves with the packed views' strides; each implementation gets weights
-and output gradients of its own, since a backward may write over the gradient it is given).
-
-- ours: ``cupy_rmsnorm.qk_norm_rope`` on torch tensors: fwd with ``out_q=q, out_k=k`` (vLLM's
-  in-place call; ``torch.ops.cupy_rmsnorm.qk_norm_rope_inplace`` under torch.compile), one kernel;
-  fwdbwd through autograd (the registered op's backward: one kernel and the weight gradients' sum);
-- ours_unfused: this library's ``rms_norm`` on the q and k views (in place, ``out=``), then the
-  rotation by torch.compile of transformers' ``apply_rotary_pos_emb`` (rotate_half), written back
-  into the views; fwdbwd: ``rms_norm`` through autograd, then the compiled rotation;
-- torch_compile: ``torch.compile(fullgraph=True, dynamic=False)`` (one graph per shape) of
-  transformers' composite: Qwen3RMSNorm's formula on q and on k, then ``apply_rotary_pos_emb``,
-  copied into the views inside the compiled function; fwdbwd: the composite, its compiled backward;
-- liger: Liger-Kernel's ``LigerRMSNormFunction`` (llama casting, offset 0, as Liger patches Qwen3)
-  on the q and k views, then ``LigerRopeFunction`` on its outputs turned (1, H, T, D), as HF's
-  attention hands them over. Liger's norm copies a strided view to a contiguous one first and
-  writes new tensors, which its rope rotates in place: the packed buffer is only read;
-- flashinfer: this library's ``rms_norm`` on the views in place, then FlashInfer's
-  ``BatchQKApplyRotaryPosIdsCosSinCache`` in place (``flashinfer_rope.cu``, built by nvcc from
-  FlashInfer's headers: ``flashinfer.py``); bfloat16 and float16; forward only (FlashInfer's rope
-  has no backward);
-- copy: a device copy moving the same bytes (the floor): fwd reads and writes q and k (2 arrays of
-  their size), fwdbwd also reads the output gradients, q and k and writes dq and dk (5); the
-  angles (a token's row of D float32: 2.5% of Qwen3-8B's fwd bytes) and the weights are left out.
-
-Before it is timed, each implementation's outputs from one call on the case's inputs are compared
-with a float64 reference of norm then rotation (the float32 angles): ``err`` is max |theirs -
-reference| / max |reference|, the worst over the outputs (q_out and k_out; or dq, dk, dq_weight
-and dk_weight); past the tolerance it is an error and the implementation is not timed in that case.
+"""``qk_rope``: QK norm + RoPE, the attention input of Qwen3 (each head of q and k RMS-normalized
+with its own weight, then rotated, NeoX halves), against its peers, fwd (in place where the
+implementation can) and fwd + bwd through autograd, in graph and cold modes. Cases: TxHQ/HKxD,
+q (T, HQ, D) and k (T, HK, D) views into one packed qkv projection, random positions. Each
+implementation's outputs are checked against a float64 reference before it is timed (err:
+max |theirs - reference| / max |reference|).
 """
 
 import functools
@@ -91,9 +52,7 @@ DESCRIPTIONS = {
 HEADS_TEXT = ", ".join(f"{q}/{k}x{d} ({name})" for (q, k, d), name in MODELS.items())
 NOTE = ("TxHQ/HKxD: q (T, HQ, D) and k (T, HK, D) views into one packed (T, (HQ + 2*HK) * D) projection, "
         f"each head normalized then rotated; {HEADS_TEXT}; err: max |theirs - float64 reference| / max |reference|")
-EPILOG = ("implementations:\n" + "\n".join(f"  {name:14s} {text}" for name, text in DESCRIPTIONS.items())
-          + f"\n\nneeds torch with CUDA; liger: {common.INSTALL_HINTS['liger']}; flashinfer: "
-          f"{common.INSTALL_HINTS['flashinfer']}\n\n{common.PEERS_HELP}")
+NEEDS = f"torch with CUDA; liger: {common.INSTALL_HINTS['liger']}; flashinfer: {common.INSTALL_HINTS['flashinfer']}"
 
 
 class Case(NamedTuple):
@@ -199,6 +158,8 @@ def availability(names):
 
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "ours / unfused", "max err"]
+CSV_COLUMNS = {**dict.fromkeys(("op", "mode", "dtype", *Case._fields, "bytes")),
+               **common.time_columns(IMPLS, checked=IMPLS[:-1])}
 
 
 def table_rows(results):
@@ -218,10 +179,6 @@ def format_report(payload):
 
 def format_markdown(payload):
     return common.sectioned_report(REPORT, payload, markdown=True)
-
-
-def csv_table(payload):
-    return common.sectioned_csv(payload, Case._fields, IMPLS)
 
 
 def write_charts(payload, stem):
@@ -496,15 +453,13 @@ def run(args):
     common.log(f"qk_rope on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; {len(todo)} cases x "
                f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
                + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
-    counts = {}
-    def measure(case, dtype):
-        _measure_case(torch, timing, args, payload, case, dtype, impls, runner, scratch, bandwidth, lib, counts)
+    measure = functools.partial(measure_case, torch, args, payload, impls, runner, scratch, bandwidth, lib, {})
     return common.run_sweep(sys.modules[__name__], args, payload, started, todo, describe, measure)
 
 
-def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runner, scratch, bandwidth, lib, counts):
-    """Every pass, implementation and mode of one case and dtype: each implementation built and its
-    first call checked against the float64 reference once per pass, then timed in each mode."""
+def measure_case(torch, args, payload, impls, runner, scratch, bandwidth, lib, counts, case, dtype_name):
+    """Every pass, implementation and mode of one case and dtype: each implementation built, its first
+    call checked, then timed in each mode."""
     inputs = make_inputs(torch, case, getattr(torch, dtype_name), "cuda", seed=case.tokens * 7 + case.k_heads)
     torch.cuda.synchronize()            # ready before the runner's stream reads them
     where = f"{dtype_name} {describe(case)}"
@@ -515,40 +470,13 @@ def _measure_case(torch, timing, args, payload, case, dtype_name, impls, runner,
         except Exception as e:  # noqa: BLE001 - nothing to check against (out of memory): the next pass
             common.record_error(payload, f"reference {op} {where}", e)
             continue
-        rows = {mode: {**case._asdict(), "op": op, "mode": mode, "dtype": dtype_name, "bytes": nbytes,
-                       "us": dict.fromkeys(impls), "err": {}} for mode in args.modes}
+        rows = common.mode_rows(args.modes, impls, {**case._asdict(), "op": op, "dtype": dtype_name,
+                                                    "bytes": nbytes})
         for impl in impls:
-            reason = unsupported(impl, op, dtype_name)
-            if reason:
-                key = f"{impl} ({reason})"
-                counts[key] = counts.get(key, 0) + 1
-                payload["skipped"][key] = f"{counts[key]} cases"
-                continue
-            try:
-                with runner.context():
-                    fn = build(torch, impl, op, case, inputs, lib)
-                    result = fn()       # the first call, on the inputs as made: what is checked
-                runner.synchronize()
-                if impl != "copy":
-                    err = common.disagreement(result, want)
-                    for row in rows.values():
-                        row["err"][impl] = err
-                    if not err <= TOLERANCE:
-                        common.record_error(payload, f"{impl} {op} {where}", f"max |{impl} - reference| / max "
-                                            f"|reference| = {err:.2e}, past the tolerance {TOLERANCE}: not timed")
-                        continue
-                del result
-                calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
-            except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
-                common.record_error(payload, f"{impl} {op} {where}", e)
-                continue
-            for mode in args.modes:
-                try:
-                    rows[mode]["us"][impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
-                except Exception as e:  # noqa: BLE001
-                    common.record_error(payload, f"{impl} {op} {mode} {where}", e)
-            del fn
+            if not common.skip_unsupported(payload, counts, impl, unsupported(impl, op, dtype_name)):
+                common.check_and_time(payload, args, rows, impl, runner,
+                                      lambda: build(torch, impl, op, case, inputs, lib), nbytes=nbytes,
+                                      bandwidth=bandwidth, scratch=scratch, where=f"{op} {where}", reference=want,
+                                      tolerance=TOLERANCE)
         del want
-        for row in rows.values():
-            payload["results"].append(row)
-            common.log("  " + "  ".join(map(str, [op, row["mode"], dtype_name, *table_rows([row])[0]])))
+        common.keep_rows(payload, rows, table_rows)

@@ -1,24 +1,11 @@
-"""``quant``: GPU time of rms_norm_quant / fused_add_rms_norm_quant (FP8 e4m3 out) against the
-peers, on the same torch tensors (weight of x's dtype, eps 1e-6); medians over rounds.
-
-Cases: ``static`` (a per-tensor scale in device memory), ``per_token`` (a scale per row) and
-``per_group`` (a scale per 1x128 group), each as rms_norm and as the fused add (``fused ...``;
-ours and FlashInfer's update the residual in place, as vLLM's serving path does).
-
-- ours: ``rn.rms_norm_quant(x, w, ...)`` / ``rn.fused_add_rms_norm_quant(x, r, w, ..., residual_out=r)``;
-- flashinfer: FlashInfer's ``RMSNormQuant``, ``FusedAddRMSNormQuant`` and
-  ``FusedAddRMSNormFP8BlockQuant`` (the fused per-group form; it also writes a bf16 copy of the
-  normalized rows, 2 more bytes an element), built by nvcc from FlashInfer's headers
-  (``flashinfer.py``; bf16 only);
-- torch.compile: the composite (the fp32 RMSNorm formula, then the quantization of the
-  contract) under ``torch.compile(fullgraph=True, dynamic=False)``: specialized per shape;
-- copy: a device copy moving the same bytes (the floor): read x (and residual), write q (one
-  byte an element), residual_out and the scales.
-``agree`` is the fraction of q's bytes equal to the eager composite's (near ties and the
-float32 order of the sum of squares account for the rest).
+"""``quant``: rms_norm_quant and fused_add_rms_norm_quant (FP8 e4m3 out; static, per-token and
+per-group scales) against FlashInfer (built from its headers by nvcc: ``flashinfer.py``),
+torch.compile of the composite and a copy of the same bytes. ``agree``: the fraction of q's
+bytes equal to the eager composite's.
 """
 
 import ctypes
+import functools
 import sys
 import time
 
@@ -38,7 +25,7 @@ SHAPES = ((4096, 4096), (1, 4096), (16384, 8192), (256, 4096), (4096, 7168), (16
 DEFAULTS = {"shapes": list(SHAPES), "dtypes": ["bfloat16"], "modes": ["graph"], "repeats": 7}
 QUICK = {"shapes": [(1, 4096), (4096, 4096)], "repeats": 3}
 BYTES_NOTE = "bytes: ours (FlashInfer's fused per-group form also writes a bf16 copy: +2 bytes an element)"
-EPILOG = (f"needs torch with CUDA; flashinfer: {common.INSTALL_HINTS['flashinfer']}\n\n{common.PEERS_HELP}")
+NEEDS = f"torch with CUDA; flashinfer: {common.INSTALL_HINTS['flashinfer']}"
 
 
 def add_arguments(p):
@@ -72,6 +59,8 @@ def moved_bytes(case, rows, hidden, itemsize=2):
 
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["case", "dtype", "shape", "mode", *IMPLS, "ours / best", "ours / copy", "ours GB/s", "agree"]
+CSV_COLUMNS = {**dict.fromkeys(("case", "dtype", "mode", "rows", "hidden", "bytes")), **common.time_columns(IMPLS),
+               "agree": ".6f"}
 
 
 def table_rows(results):
@@ -107,14 +96,6 @@ def format_report(payload):
 
 def format_markdown(payload):
     return _report(payload, markdown=True)
-
-
-def csv_table(payload):
-    header = ["case", "dtype", "mode", "rows", "hidden", "bytes"] + [f"{i}_us" for i in IMPLS] + ["agree"]
-    rows = [[r["case"], r.get("dtype", "bfloat16"), r.get("mode", "graph"), r["rows"], r["hidden"], r["bytes"],
-             *(None if r["us"].get(i) is None else f"{r['us'][i]:.3f}" for i in IMPLS),
-             None if r.get("agree") is None else f"{r['agree']:.6f}"] for r in payload["results"]]
-    return header, rows
 
 
 def write_charts(payload, stem):
@@ -223,20 +204,20 @@ def run(args):
         payload["skipped"]["flashinfer"] = fi_why
     common.log(f"copy bandwidth {bandwidth:.0f} GB/s; flashinfer: {fi_why or 'yes'}")
     def measure(shape, dtype):
-        _measure_shape(torch, timing, args, payload, lib, *shape, dtype, runner, scratch, bandwidth)
+        _measure_shape(torch, args, payload, lib, *shape, dtype, runner, scratch, bandwidth)
     return common.run_sweep(sys.modules[__name__], args, payload, started, args.shapes, lambda s: f"{s[0]}x{s[1]}",
                             measure)
 
 
-def _measure_shape(torch, timing, args, payload, lib, rows, hidden, dtype_name, runner, scratch, bandwidth):
-    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + hidden)
+def _measure_shape(torch, args, payload, lib, n_rows, hidden, dtype_name, runner, scratch, bandwidth):
+    gen = torch.Generator(device="cuda").manual_seed(n_rows * 7 + hidden)
     dtype = getattr(torch, dtype_name)
-    x = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype)
-    r0 = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype)
+    x = torch.randn((n_rows, hidden), generator=gen, device="cuda").to(dtype)
+    r0 = torch.randn((n_rows, hidden), generator=gen, device="cuda").to(dtype)
     w = (1 + 0.1 * torch.randn((hidden,), generator=gen, device="cuda")).to(dtype)
     scale = torch.full((1,), 0.02, device="cuda")
     for case in args.cases:
-        nbytes = moved_bytes(case, rows, hidden, x.element_size())
+        nbytes = moved_bytes(case, n_rows, hidden, x.element_size())
         r = r0.clone()
         eager = composite(torch, case)
         agree = None
@@ -244,31 +225,15 @@ def _measure_shape(torch, timing, args, payload, lib, rows, hidden, dtype_name, 
             q = ours(case, x, r0.clone(), w, scale)()[0].view(torch.uint8)
             agree = float((q == eager(x, r0.clone(), w, scale)[0].view(torch.uint8)).float().mean())
         except Exception as e:  # noqa: BLE001 - reported, the timings still run
-            payload["errors"].append({"where": f"agree {case} {dtype_name} {rows}x{hidden}",
-                                      "error": common.error_text(e)})
-        for mode in args.modes:
-            us = {}
-            for impl in IMPLS:
-                us[impl] = None
-                try:
-                    with runner.context():
-                        if impl == "ours":
-                            fn = ours(case, x, r, w, scale)
-                        elif impl == "flashinfer":
-                            fn = flashinfer_call(torch, lib, case, x, r, w, scale) if lib is not None else None
-                        elif impl == "torch.compile":
-                            compiled = torch.compile(eager, fullgraph=True, dynamic=False)
-                            fn = lambda c=compiled: c(x, r, w, scale)  # noqa: E731
-                        else:
-                            fn = common.device_copy(torch, nbytes)
-                    if fn is not None:
-                        calls = timing.calls_for(nbytes, bandwidth, 3, 200, args.target_us)
-                        us[impl] = timing.timed_us(runner, fn, mode, calls, args.repeats, scratch)
-                except Exception as e:  # noqa: BLE001 - one failing peer does not end the run
-                    where = f"{impl} {case} {mode} {dtype_name} {rows}x{hidden}"
-                    payload["errors"].append({"where": where, "error": common.error_text(e)})
-                    common.log(f"error: {where}: {common.error_text(e)}")
-            row = {"case": case, "dtype": dtype_name, "mode": mode, "rows": rows, "hidden": hidden, "bytes": nbytes,
-                   "us": us, "agree": agree}
-            payload["results"].append(row)
-            common.log("  " + "  ".join(table_rows([row])[0]))
+            common.record_error(payload, f"agree {case} {dtype_name} {n_rows}x{hidden}", e)
+        rows = common.mode_rows(args.modes, IMPLS, {"case": case, "dtype": dtype_name, "rows": n_rows,
+                                                    "hidden": hidden, "bytes": nbytes, "agree": agree}, checked=False)
+        makers = {"ours": lambda: ours(case, x, r, w, scale),
+                  "flashinfer": lambda: lib and flashinfer_call(torch, lib, case, x, r, w, scale),
+                  "torch.compile": lambda: functools.partial(torch.compile(eager, fullgraph=True, dynamic=False),
+                                                             x, r, w, scale),
+                  "copy": lambda: common.device_copy(torch, nbytes)}
+        for impl in IMPLS:
+            common.check_and_time(payload, args, rows, impl, runner, makers[impl], nbytes=nbytes, bandwidth=bandwidth,
+                                  scratch=scratch, where=f"{case} {dtype_name} {n_rows}x{hidden}")
+        common.keep_rows(payload, rows, table_rows)

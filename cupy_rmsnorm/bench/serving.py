@@ -203,17 +203,3 @@ def summarize(samples, baselines=("hf",)):
     order = {"decode": 0, "prefill": 1}
     return sorted(rows, key=lambda r: (order[r["measure"]], r["batch"], STEP_MODES.index(r["mode"]), r["variant"]
                                        != "hf", r["variant"]))
-
-
-TABLE_HEADERS = ["measure", "batch", "mode", "variant", "us", "min-max", "vs hf (same mode)", "vs hf compiled"]
-
-
-def table_rows(rows):
-    def us(v):
-        return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
-
-    def ratio(v):
-        return f"{v:.3f}" if v is not None else "-"
-    return [[r["measure"], str(r["batch"]), r["mode"], r["variant"], us(r["us"]["median"]),
-             f"{us(r['us']['min'])}-{us(r['us']['max'])}", ratio(r["vs_hf"]), ratio(r["vs_hf_compiled"])]
-            for r in rows]

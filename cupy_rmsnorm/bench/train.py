@@ -1,11 +1,7 @@
-"""``train``: a training check. A small randomly initialized HF Llama (LlamaForCausalLM, 4 layers
-x 1024, intermediate 2.75 x hidden, 16 heads / 4 KV heads, vocab 32000) with **bf16
-parameters** (and bf16 AdamW states, lr 3e-4, no autocast) is trained for 100 AdamW steps on
-random tokens (batch 8 x 512, a fixed generator): once as built, once with its RMSNorm modules
-swapped for ours (``cupy_rmsnorm.torch.patch_hf_rmsnorm``, on a copy of the same initial
-weights). Reported: both loss curves, max |loss difference| over the steps, and the median
-step time of each (CUDA-synchronized wall time of forward + backward + optimizer step, the
-first 5 steps left out). Under two minutes on an H200.
+"""``train``: a training check. A small random HF Llama with bf16 parameters (and AdamW states)
+trained on random tokens, once as built and once with its norms swapped for ours
+(``patch_hf_rmsnorm``) from the same weights: both loss curves, their largest difference and
+the median step time of each (the first steps left out).
 """
 
 import argparse
@@ -21,8 +17,7 @@ VARIANTS = ("hf", "ours")
 WARMUP_STEPS = 5          # left out of the median step time (allocator, autotuning, compiles)
 DEFAULTS = {"steps": 100, "layers": 4, "hidden": 1024, "batch": 8, "seq": 512}
 QUICK = {"steps": 20, "layers": 2, "hidden": 512, "seq": 256}
-EPILOG = (f"needs torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']})\n\n"
-          f"{common.PEERS_HELP}")
+NEEDS = f"torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']})"
 
 
 def add_arguments(p):
@@ -80,28 +75,24 @@ def summary(payload):
     return lines
 
 
+def _report(payload, markdown=False):
+    rows = table_rows(payload)
+    sections = [("losses, every tenth step and the last", HEADERS, rows, (), None)] if rows else []
+    return common.render_report(payload, "Training check", summary(payload), sections, markdown)
+
+
 def format_report(payload):
-    parts = [common.format_header(payload["meta"]), "\n".join(summary(payload))]
-    if table_rows(payload):
-        parts.append(common.render_table(HEADERS, table_rows(payload)))
-    parts += common.notes(payload)
-    return "\n\n".join(p for p in parts if p)
+    return _report(payload)
 
 
 def format_markdown(payload):
-    meta = payload["meta"]
-    lines = [f"# Training check: {(meta.get('device') or {}).get('gpu', '?')}", "",
-             common.format_header(meta).replace("\n", "  \n"), "", *(f"{s}." for s in summary(payload)), ""]
-    if table_rows(payload):
-        lines += [common.markdown_table(HEADERS, table_rows(payload)), ""]
-    return "\n".join(lines)
+    return _report(payload, markdown=True)
 
 
-def csv_table(payload):
+def csv_records(payload):
     by, pairs = _losses(payload)
-    rows = [[i, a, b, abs(a - b), by["hf"]["step_s"][i] * 1e3, by["ours"]["step_s"][i] * 1e3]
-            for i, (a, b) in enumerate(pairs)]
-    return ["step", "hf_loss", "ours_loss", "abs_diff", "hf_step_ms", "ours_step_ms"], rows
+    return [{"step": i, "hf_loss": a, "ours_loss": b, "abs_diff": abs(a - b), "hf_step_ms": by["hf"]["step_s"][i] * 1e3,
+             "ours_step_ms": by["ours"]["step_s"][i] * 1e3} for i, (a, b) in enumerate(pairs)]
 
 
 def write_charts(payload, stem):

@@ -205,15 +205,12 @@ def test_git_state_only_of_the_checkout_holding_the_library(tmp_path):
     assert common.git_state(inside) == (None, None)                        # not the checkout's top
 
 
-def test_format_header():
-    meta = {"device": {"gpu": "NVIDIA H200", "sm_count": 132, "compute_capability": "9.0",
-                       "driver_version": "580.1", "cuda_driver_api": "13.0"},
-            "versions": {"cupy": "14.2.0"}, "commit": "abc", "dirty": True}
-    head = common.format_header(meta)
-    assert "NVIDIA H200 (132 SMs, compute capability 9.0), driver 580.1" in head
-    assert "commit: abc (uncommitted changes)" in head and "cupy 14.2.0" in head
-    old = common.format_header({"device": {"gpu": "G"}, "commit": None, "note": "predates commit recording"})
-    assert old == "GPU: G\ncommit: not recorded (predates commit recording)"
+def test_timing_cells_compare_ours_with_the_best_peer_and_the_copy():
+    us = {"ours": 10.0, "a": 20.0, "b": 12.5, "c": None, "copy": 8.0}
+    assert common.timing_cells(us, list(us), ("a", "b", "c")) == ["10.00", "20.00", "12.50", "-", "8.00", "0.800",
+                                                                   "1.250"]
+    assert common.best_peer_summary([{"us": us}, {"us": dict(us, ours=40.0)}], ("a", "b")).startswith(
+        "geomean ours / best peer: 1.600 over 2 cases")
 
 
 # -- the committed reports ------------------------------------------------------------------------

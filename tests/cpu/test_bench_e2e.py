@@ -207,45 +207,26 @@ def _payload():
             "timings": timings, "results": e2e.summarize(timings, 5, 1)}
 
 
-def test_the_report_ends_with_the_table():
-    text = e2e.format_report(_payload())
-    lines = text.splitlines()
-    assert "Fake GPU" in lines[0] and "2 layers x 64" in lines[0] and "commit: abc" in text
-    assert "skipped: liger: liger_kernel is not importable" in text
-    assert "error: compiled ours fullgraph compile: Unsupported: graph break" in text
-    assert "note: compiled: 1 graphs" in text
-    assert lines[-1] == e2e.BREAKS_FOOTNOTE
-    table = lines[-7:-1]
-    assert table[0].split()[:3] == ["mode", "variant", "prefill"]
-    rows = {tuple(line.split()[:2]): line.split() for line in table[2:]}
-    assert set(rows) == {("eager", "hf"), ("eager", "ours"), ("compiled", "hf"), ("compiled", "ours")}
-    assert rows[("eager", "ours")][-5:] == ["0.9922", "0.0625", "0.9688", "0.125", "-"]  # no breaks in eager
-    assert rows[("eager", "hf")][-5:] == ["-", "-", "0.9531", "0.25", "-"]   # hf: only against float32
-    assert rows[("compiled", "ours")][-1] == "17*"                       # timed with breaks allowed
-    assert rows[("compiled", "hf")][-1] == "0"
-    assert rows[("compiled", "ours")][7] == "0.500"                      # decode vs hf: 2 ms vs 4 ms
-
-
-def test_outputs_json_csv_markdown(tmp_path):
+def test_the_generate_records_carry_times_agreement_and_graph_breaks(tmp_path):
     payload = _payload()
-    written = common.write_report(e2e, payload, str(tmp_path / "out"), "h200")
-    stem = tmp_path / "out" / "h200"
-    assert written == [f"{stem}.json", f"{stem}.csv", f"{stem}.md"]
-    saved = json.loads((tmp_path / "out" / "h200.json").read_text())
-    assert saved["meta"]["device"]["gpu"] == "Fake GPU" and len(saved["timings"]) == len(payload["timings"])
-    with open(f"{stem}.csv", newline="") as f:
+    records = {(r["mode"], r["variant"]): r for r in e2e.generate_records(payload)}
+    assert list(records) == [("eager", "hf"), ("eager", "ours"), ("compiled", "hf"), ("compiled", "ours")]
+    ours, hf = records[("eager", "ours")], records[("eager", "hf")]
+    assert (ours["top1_agree"], ours["max_abs_logit_diff"], ours["top1_vs_fp32"]) == (0.9921875, 0.0625, 0.96875)
+    assert hf["top1_agree"] is None and hf["top1_vs_fp32"] == 0.953125       # hf: only against float32
+    assert ours["graph_breaks"] is None                                      # no breaks in eager
+    compiled = records[("compiled", "ours")]
+    assert compiled["graph_breaks"] == 17 and compiled["timed_fullgraph"] is False
+    assert compiled["decode_vs_hf"] == pytest.approx(0.5) and compiled["decode_ms_per_token"] == pytest.approx(2.0)
+    text = e2e.format_report(payload)
+    assert "17*" in text and e2e.BREAKS_FOOTNOTE in text                     # timed with breaks allowed
+    assert "skipped liger: liger_kernel is not importable" in text and "note: compiled: 1 graphs" in text
+    written = common.write_report(e2e, payload, str(tmp_path), "h200")
+    assert [os.path.basename(p) for p in written] == ["h200.json", "h200.csv", "h200.md"]
+    with open(tmp_path / "h200.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["mode"], r["variant"]) for r in rows] == [("eager", "hf"), ("eager", "ours"), ("compiled", "hf"),
-                                                        ("compiled", "ours")]
-    ours = rows[3]
-    assert float(ours["decode_ms_per_token"]) == pytest.approx(2.0) and ours["graph_breaks"] == "17"
-    assert ours["timed_fullgraph"] == "False" and rows[0]["graph_breaks"] == ""
-    assert float(rows[1]["top1_agree"]) == pytest.approx(0.9921875)
-    assert float(rows[1]["top1_vs_fp32"]) == pytest.approx(0.96875) and float(rows[0]["top1_vs_fp32"]) == 0.953125
-    assert float(rows[0]["max_abs_vs_fp32"]) == 0.25
-    md = (tmp_path / "out" / "h200.md").read_text()
-    assert md.count("\n| ") == 5 and "| compiled | ours |" in md and "17* |" in md
-    assert "Skipped: liger: liger_kernel is not importable." in md
+    assert [(r["mode"], r["variant"]) for r in rows] == list(records)
+    assert rows[3]["graph_breaks"] == "17" and rows[3]["timed_fullgraph"] == "False" and rows[0]["graph_breaks"] == ""
 
 
 def _serving_payload():
@@ -261,32 +242,24 @@ def _serving_payload():
     return payload
 
 
-def test_the_serving_and_agreement_tables_come_first(tmp_path):
+def test_the_serving_records_come_first_in_the_csv_and_the_floor_joins_the_agreement(tmp_path):
     payload = _serving_payload()
-    text = e2e.format_report(payload)
-    assert text.index("decode step at context 512") < text.index("agreement with hf") < text.index(e2e.GENERATE_LINE)
-    bits = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("ours ", "floor:"))}
-    assert bits["ours"][1:] == ["0.9922", "0.0625", "25.00%", "0.1200%", "1", "0.9688", "0.125"]
-    assert bits["floor:"][-7:] == ["1.0000", "0", "0.00%", "0.0000%", "0", "-", "-"]
-    decode = [line.split() for line in text.splitlines() if line.startswith("decode ")]
-    assert decode == [["decode", "1", "eager", "hf", "100.5", "100.0-101.0", "1.000", "-"],
-                      ["decode", "1", "eager", "ours", "90.5", "90.0-91.0", "0.900", "-"]]
+    steps = e2e.serving_records(payload)
+    assert [(r["variant"], r["us"], r["vs_hf"]) for r in steps] == [("hf", 100.5, 1.0),
+                                                                    ("ours", 90.5, pytest.approx(90.5 / 100.5))]
+    assert [row[0] for row in e2e.agreement_rows(payload)] == ["ours", "hf", "floor: hf, mean in float64"]
     common.write_report(e2e, payload, str(tmp_path), "e2e")
     with open(tmp_path / "e2e.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["measure"], r["variant"]) for r in rows] == [("decode", "hf"), ("decode", "ours")] + \
         [("generate", v) for v in ("hf", "ours", "hf", "ours")]
-    assert float(rows[1]["us"]) == 90.5 and float(rows[1]["vs_hf"]) == pytest.approx(90.5 / 100.5)
     assert rows[1]["decode_ms_per_token"] == "" and rows[2]["us"] == ""
-    md = " ".join((tmp_path / "e2e.md").read_text().split())   # the cells, whatever their padding
-    assert "| decode | 1 | eager | ours | 90.5 |" in md and "| floor: hf, mean in float64 |" in md
 
 
 def test_nothing_measured_writes_no_markdown(tmp_path):
     payload = dict(_payload(), timings=[], results=[])
     assert [os.path.basename(p) for p in common.write_report(e2e, payload, str(tmp_path), "e2e")] == \
         ["e2e.json", "e2e.csv"]
-    assert e2e.format_report(payload).endswith("nothing was measured")
 
 
 # -- variants ------------------------------------------------------------------------------------------------
@@ -424,11 +397,9 @@ def test_liger_patches_the_copy_only():
 
 
 @requires_transformers
-def test_a_tiny_eager_run_on_the_cpu(tmp_path, capsys):
+def test_a_tiny_eager_run_on_the_cpu(tmp_path):
     rc = cli.main(["e2e"] + TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "2", "--out", str(tmp_path)])
     assert rc == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].split()[:2] == ["eager", "hf"] and out[-3].split()[:2] == ["mode", "variant"]
     payload = json.loads((tmp_path / "e2e.json").read_text())
     assert set(payload["skipped"]) == {"ours", "ours_fused", "liger"} and not payload["errors"]
     assert len(payload["timings"]) == 2 * 2 and all(t["seconds"] > 0 for t in payload["timings"])
@@ -464,8 +435,8 @@ def test_the_cpu_run_checks_hf_against_float32_and_survives_without_it(tmp_path,
 @requires_transformers
 def test_the_agreement_floor_reimplements_hf_bit_for_bit(tmp_path):
     """The floor's copy of LlamaRMSNorm with a float32 mean gives hf's logits exactly (so
-    the float64 copy differs from hf in the variance's rounding only); it is reported in
-    the Markdown and checked against float32 too."""
+    the float64 copy differs from hf in the variance's rounding only); it is checked against
+    float32 too."""
     argv = TINY + ["--device", "cpu", "--modes", "eager", "--repeats", "1", "--agree-batch", "2",
                    "--out", str(tmp_path)]
     assert cli.main(["e2e"] + argv) == 0
@@ -474,7 +445,6 @@ def test_the_agreement_floor_reimplements_hf_bit_for_bit(tmp_path):
     assert floor["reimplementation_max_abs_diff"] == 0.0
     assert 0.0 <= floor["top1_agree"] <= 1.0 and 0.0 <= floor["top1_vs_fp32"] <= 1.0
     assert payload["meta"]["agree_batch"] == 2
-    assert "Agreement floor (hf with its mean of squares in float64" in (tmp_path / "e2e.md").read_text()
 
 
 @requires_transformers

@@ -207,7 +207,7 @@ def test_csv_has_every_field_and_the_flattened_plan(tmp_path):
     records = [rec("ours", 2.0), rec("liger", 4.0, plan=None), rec("ours", 1.5, mode="hot")]
     records[1]["plan"] = None
     path = tmp_path / "r.csv"
-    common.write_csv(path, *forward_report.csv_table({"results": records}))
+    common.write_csv(path, *common.csv_of(forward_report.csv_records({"results": records})))
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3

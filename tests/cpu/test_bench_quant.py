@@ -51,20 +51,14 @@ def test_report_and_files(tmp_path):
     payload = {"meta": {"command": "quant", "commit": None, "note": "n", "device": {"gpu": "G"},
                         "copy_GBps": 4000.0, "flashinfer": ".flashinfer"},
                "results": rows, "errors": [], "skipped": {"flashinfer": "nvcc is not on PATH"}}
-    text = quant.format_report(payload)
-    line = next(x for x in text.splitlines() if x.startswith("fused static")).split()
-    assert line[3:12] == ["4096x4096", "graph", "30.00", "40.00", "37.50", "28.00", "0.800", "1.071",
-                          f"{7 * n / 30e3:.0f}"]
-    assert "per_token 1x4096 (1.25)" in text and f"geomean ours / best peer: {(0.8 * 1.25) ** 0.5:.3f}" in text
-    assert "skipped flashinfer: nvcc is not on PATH" in text and "FlashInfer: .flashinfer" in text
+    assert quant.table_rows(rows)[0][-2] == f"{7 * n / 30e3:.0f}"        # ours' GB/s
+    assert "per_token 1x4096 (1.25)" in quant.format_report(payload)     # where ours is slower than the best peer
     common.write_report(quant, payload, str(tmp_path), "q", charts=False)
     with open(tmp_path / "q.csv", newline="") as f:
         got = list(csv.DictReader(f))
     assert list(got[0]) == ["case", "dtype", "mode", "rows", "hidden", "bytes", "ours_us", "flashinfer_us",
                             "torch.compile_us", "copy_us", "agree"]
     assert got[0]["agree"] == "0.999900" and got[1]["flashinfer_us"] == "" and got[1]["agree"] == ""
-    assert "| fused static | bfloat16 | 4096x4096 | graph | 30.00 |" in \
-        " ".join((tmp_path / "q.md").read_text().split())
 
 
 # -- FlashInfer --------------------------------------------------------------------------------------
