@@ -26,7 +26,8 @@ NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_bf16.h"
 
 PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu", "gated": "rms_norm_gated.cu",
-            "qk_rope": "qk_norm_rope.cu"}
+            "qk_rope": "qk_norm_rope.cu", "layer_norm": "layer_norm.cu",
+            "layer_norm_backward": "layer_norm_backward.cu"}
 KERNEL_SUFFIXES = (".cu", ".cuh")
 
 
