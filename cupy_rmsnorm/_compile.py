@@ -2,12 +2,9 @@
 compiled kernels.
 
 Each program is one file of ``kernels/``, a family's forward in ``<family>.cu`` and its
-backward in ``<family>_backward.cu`` (``"forward"``: ``rms_norm.cu``, the plain, fused and
-quantized forward kernels; ``"backward"``: ``rms_norm_backward.cu``; ``"gated"`` and
-``"gated_backward"``: ``rms_norm_gated.cu`` and ``rms_norm_gated_backward.cu``; ``"qk_rope"``
-and ``"qk_rope_backward"``: ``qk_norm_rope.cu`` and ``qk_norm_rope_backward.cu``), which
-includes the shared device code (``*.cuh``) through
-NVRTC's include path. Each (storage type, weight type, plan, ...) is an instantiation, compiled
+backward in ``<family>_backward.cu``, registered under a key by the family that launches it
+(``register_program``), which includes the shared device code (``*.cuh``) through NVRTC's
+include path. Each (storage type, weight type, plan, ...) is an instantiation, compiled
 the first time a call needs it on a device and kept in ``kernel_cache`` as a launchable
 function. CuPy's disk cache keeps the binaries
 across processes; its key covers a program's own text and the options, not the headers it
@@ -27,10 +24,15 @@ import threading
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_bf16.h"
 
-PROGRAMS = {"forward": "rms_norm.cu", "backward": "rms_norm_backward.cu", "gated": "rms_norm_gated.cu",
-            "gated_backward": "rms_norm_gated_backward.cu", "qk_rope": "qk_norm_rope.cu",
-            "qk_rope_backward": "qk_norm_rope_backward.cu"}
+PROGRAMS = {}   # key -> file of kernels/, as the families register them
 KERNEL_SUFFIXES = (".cu", ".cuh")
+
+
+def register_program(key, filename):
+    """A family's program: ``kernel_cache.get(device, name, key)`` compiles from ``filename``."""
+    if PROGRAMS.setdefault(key, filename) != filename:
+        raise ValueError(f"program {key!r} is {PROGRAMS[key]!r} already")
+    return key
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +41,7 @@ def kernels_dir():
     the source tree's ``kernels/``."""
     here = os.path.dirname(os.path.abspath(__file__))
     for folder in (os.path.join(here, "kernels"), os.path.join(os.path.dirname(here), "kernels")):
-        if os.path.isfile(os.path.join(folder, PROGRAMS["forward"])):
+        if os.path.isfile(os.path.join(folder, "common.cuh")):
             return folder
     raise FileNotFoundError("cupy_rmsnorm: the kernels folder is missing from the installation")
 

@@ -13,13 +13,16 @@ from ..._abi import (
     kernel_weight_offset,
     row_kernel_flags,
 )
-from ..._compile import kernel_cache
+from ..._compile import kernel_cache, register_program
 from ..._launcher import GradLauncher, _argv
 from ..._layout import _unit_last, row_layout
 from ..._plan import (
     vector_width_from_bits,
 )
 from .plan import backward_plan, backward_refit_keywords
+
+# the family's kernel programs (kernels/)
+register_program("backward", "rms_norm_backward.cu")
 
 
 class BackwardArrays(NamedTuple):

@@ -9,10 +9,13 @@ from ..._abi import (
     PARAMS_DTYPE,
     kernel_weight_offset,
 )
-from ..._compile import kernel_cache
+from ..._compile import kernel_cache, register_program
 from ..._launcher import _SLOT, SlotLauncher, _apart
 from ..._layout import OUT, RESIDUAL, RESIDUAL_OUT, WEIGHT, X
 from ..._plan import launch_plan
+
+# the family's kernel programs (kernels/)
+register_program("forward", "rms_norm.cu")
 
 
 # -- the instantiations' names (NVRTC's name expressions) ------------------------------------------

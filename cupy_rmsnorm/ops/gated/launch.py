@@ -12,7 +12,7 @@ from ..._abi import (
     WEIGHT_GRAD,
     kernel_weight_offset,
 )
-from ..._compile import kernel_cache
+from ..._compile import kernel_cache, register_program
 from ..._launcher import GradLauncher, SlotLauncher, _apart, _argv
 from ..._layout import (
     _MAYBE,
@@ -34,6 +34,10 @@ from ..backward.launch import (
     backward_layout,
 )
 from .plan import gated_backward_plan, gated_plan
+
+# the family's kernel programs (kernels/)
+register_program("gated", "rms_norm_gated.cu")
+register_program("gated_backward", "rms_norm_gated_backward.cu")
 
 
 class GatedArrays(NamedTuple):

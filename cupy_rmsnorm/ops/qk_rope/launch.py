@@ -11,13 +11,17 @@ from ..._abi import (
     WEIGHT_GRAD,
     kernel_weight_offset,
 )
-from ..._compile import kernel_cache
+from ..._compile import kernel_cache, register_program
 from ..._launcher import GradLauncher, SlotLauncher, _apart, _argv
 from ..._layout import _MAYBE, _TooHardError, _unit_last, row_layout
 from ..._plan import (
     vector_width_from_bits,
 )
 from .plan import qk_rope_backward_plan, qk_rope_plan
+
+# the family's kernel programs (kernels/)
+register_program("qk_rope", "qk_norm_rope.cu")
+register_program("qk_rope_backward", "qk_norm_rope_backward.cu")
 
 
 class QkRopeArrays(NamedTuple):
