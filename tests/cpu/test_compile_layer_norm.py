@@ -8,8 +8,8 @@ forms) vary by turns over the geometries, every value of each met per dtype. The
 register variants compile with the library's own options through ptxas -v at sm_90: no
 spills (the modulated backward at 16 elements a thread aside: its numbers are pinned).
 
-The Params structs' NumPy mirrors live here until the launcher takes them over: a test
-reads the C++ structs and compares them field for field.
+The Params structs' NumPy mirrors (ops/layer_norm/launch.py) against the C++ structs, field for
+field; the plan's geometry (ops/layer_norm/plan.py) is what the compiled variants cover.
 """
 
 import functools
@@ -21,52 +21,27 @@ import pytest
 from helpers import (COMPILE_ARCHS, FULL_ARCH, VECS, arch_missing, arch_params, check_symbols, chunks,
                      compile_program, nvrtc_missing, ptxas_entries, requires_arch)
 
-from cupy_rmsnorm._abi import CUDA_TYPES
+from cupy_rmsnorm._abi import CUDA_TYPES, EARLY_TRIGGER, HAS_WEIGHT
 from cupy_rmsnorm._compile import PROGRAMS, kernels_dir
+from cupy_rmsnorm.ops.layer_norm import launch as L
+from cupy_rmsnorm.ops.layer_norm.plan import MAX_ELEMENTS
+from cupy_rmsnorm.ops.layer_norm.plan import geometry as layer_norm_geometry
 
 pytestmark = pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC compile test: {nvrtc_missing()}")
 
 KERNEL_NAME = rb"_ZN7rmsnorm\d+layer_norm_\w+"
 BATCH = 40
 
-# -- the ABI (kernels/layer_norm.cuh, layer_norm.cu, layer_norm_backward.cu) --------------
-LAYER_NORM_FLAGS = {"kHasWeight": 2, "kEarlyTrigger": 4, "kLnHasBias": 1024, "kLnAddGrad": 2048,
-                    "kLnParamGrad": 4096, "kLnModGrad": 8192, "kLnDirectParam": 16384, "kLnDirectMod": 32768}
-LAYER_NORM_PARAMS_DTYPE = np.dtype([
-    ("rows", "<i8"), ("n_inner", "<i8"),
-    ("x", "<i8", (2,)), ("residual", "<i8", (2,)), ("out", "<i8", (2,)), ("residual_out", "<i8", (2,)),
-    ("shift", "<i8", (2,)), ("scale", "<i8", (2,)),
-    ("hidden", "<i4"), ("eps", "<f4"), ("flags", "<i4"), ("unused", "<i4"),
-])
-LAYER_NORM_BACKWARD_PARAMS_DTYPE = np.dtype([
-    ("rows", "<i8"), ("n_inner", "<i8"), ("group_rows", "<i8"), ("rows_per_block", "<i8"),
-    ("blocks_per_group", "<i8"),
-    ("dy", "<i8", (2,)), ("x", "<i8", (2,)), ("d_residual_out", "<i8", (2,)), ("dx", "<i8", (2,)),
-    ("shift", "<i8", (2,)), ("scale", "<i8", (2,)),
-    ("hidden", "<i4"), ("eps", "<f4"), ("flags", "<i4"), ("unused", "<i4"),
-])
-LAYER_NORM_REDUCE_PARAMS_DTYPE = np.dtype([("per_output", "<i8"), ("hidden", "<i8"), ("plane", "<i8")])
-STRUCTS = {("layer_norm.cu", "LayerNormParams"): LAYER_NORM_PARAMS_DTYPE,
-           ("layer_norm_backward.cu", "LayerNormBackwardParams"): LAYER_NORM_BACKWARD_PARAMS_DTYPE,
-           ("layer_norm_backward.cu", "LayerNormReduceParams"): LAYER_NORM_REDUCE_PARAMS_DTYPE}
-
-# -- launch geometry ----------------------------------------------------------------------
-# n = hidden // vec vectors a row; vectors per thread doubles (up to 16 elements a thread)
-# while the row would need more than 512 threads; threads per row: the power of two that
-# covers the rest. Forward up to 1024 threads (hidden <= 16384), backward up to 512 (hidden
-# <= 8192). Up to 32 threads: 256 / threads rows a block of 256; more: a block per row.
-MAX_ELEMENTS = 16
-MAX_THREADS = {"fwd": 1024, "bwd": 512}
+LAYER_NORM_FLAGS = {"kHasWeight": HAS_WEIGHT, "kEarlyTrigger": EARLY_TRIGGER, "kLnHasBias": L.LN_HAS_BIAS,
+                    "kLnAddGrad": L.LN_ADD_GRAD, "kLnParamGrad": L.LN_PARAM_GRAD, "kLnModGrad": L.LN_MOD_GRAD,
+                    "kLnDirectParam": L.LN_DIRECT_PARAM, "kLnDirectMod": L.LN_DIRECT_MOD}
+STRUCTS = {("layer_norm.cu", "LayerNormParams"): L.LAYER_NORM_PARAMS_DTYPE,
+           ("layer_norm_backward.cu", "LayerNormBackwardParams"): L.LAYER_NORM_BACKWARD_PARAMS_DTYPE,
+           ("layer_norm_backward.cu", "LayerNormReduceParams"): L.LAYER_NORM_REDUCE_PARAMS_DTYPE}
 
 
 def geometry(hidden, vec, kind="fwd"):
-    """(threads per row, vectors per thread) of a row, or None past the kernel's reach."""
-    n = hidden // vec
-    vpt = 1
-    while -(-n // vpt) > 512 and vpt * vec < MAX_ELEMENTS:
-        vpt *= 2
-    threads = 1 << max(0, (-(-n // vpt) - 1).bit_length())
-    return (threads, vpt) if threads <= MAX_THREADS[kind] else None
+    return layer_norm_geometry(hidden, vec, backward=kind == "bwd")
 
 
 @functools.cache
@@ -264,3 +239,20 @@ def test_register_variants(kind):
     for symbol, spill in entries:
         modulated = kind == "bwd" and symbol.split("EEEv")[0].endswith("Lb1")
         assert int(spill) <= (MODULATED_BACKWARD_SPILLS if modulated else 0), (symbol, spill)
+
+
+def test_the_launcher_names_the_compiled_instantiations():
+    """The launcher's name expressions (dtype names in, CUDA types out) are the ones compiled here."""
+    from cupy_rmsnorm.ops.layer_norm.plan import layer_norm_backward_plan, layer_norm_plan
+    plan = layer_norm_plan(4, 768, 8)
+    assert L.forward_name("bfloat16", "float32", "float32", "bfloat16", "bfloat16", plan, True, True) == \
+        forward_name("__nv_bfloat16", "float", "float", "__nv_bfloat16", "__nv_bfloat16", 8, plan.threads_per_row,
+                     plan.vecs_per_thread, True, True)
+    assert L.forward_name("float16", None, None, None, None, plan, False, False) == \
+        forward_name("__half", "__half", "__half", "__half", "__half", 8, plan.threads_per_row, plan.vecs_per_thread,
+                     False, False)
+    bplan = layer_norm_backward_plan(64, 768, 8, 64, 132)
+    assert L.backward_name("bfloat16", "float32", "float32", None, bplan, False) == \
+        backward_name("__nv_bfloat16", "float", "float", "__nv_bfloat16", 8, bplan.threads_per_row,
+                      bplan.vecs_per_thread, False)
+    assert L.reduce_name("float16") == reduce_name("__half")

@@ -1,4 +1,4 @@
-"""The LayerNorm reference (cupy_rmsnorm/_layer_norm_reference.py) against float64
+"""The LayerNorm reference (cupy_rmsnorm/ops/layer_norm/reference.py) against float64
 computations, torch's layer_norm (16-bit, CPU) and float64 autograd where torch is
 importable, and its own promises: the fused op's rounding, modulation's broadcasting,
 deterministic bits and batch invariance. torch is imported inside tests only."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import DTYPES, MANTISSA_BITS, cpu_tensor_to_numpy, numpy_to_cpu_tensor, seed
 
-from cupy_rmsnorm._layer_norm_reference import (canonical_sum, fused_add_layer_norm_backward_reference,
+from cupy_rmsnorm.ops.layer_norm.reference import (canonical_sum, fused_add_layer_norm_backward_reference,
                                                 fused_add_layer_norm_reference, layer_norm_backward_reference,
                                                 layer_norm_modulate_backward_reference,
                                                 layer_norm_modulate_reference, layer_norm_reference)
