@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
-# Runs scripts/sanitize/forward_grid.py (the forward), scripts/sanitize/backward_grid.py (the
-# backward), scripts/sanitize/quant_grid.py (the quantized forms) and
-# scripts/sanitize/gated_grid.py (gated RMSNorm, mixed precision) and
-# scripts/sanitize/qk_rope_grid.py (QK norm + RoPE) under compute-sanitizer's memcheck,
-# racecheck and initcheck and prints one summary line per tool and grid; exits non-zero if any
-# tool or grid failed.
+# Runs every grid of scripts/sanitize/ (*_grid.py: one per op family) under compute-sanitizer's
+# memcheck, racecheck and initcheck and prints one summary line per tool and grid; exits non-zero
+# if any tool or grid failed.
 #
 #     scripts/sanitize.sh                 # from anywhere; needs a GPU and compute-sanitizer
 #     SANITIZE_LOG_DIR=dir scripts/sanitize.sh   # keep the full logs there (default: a temp dir)
-#     SANITIZE_GRIDS=backward_grid scripts/sanitize.sh   # some grids only (forward_grid,
-#         backward_grid, quant_grid, gated_grid, qk_rope_grid)
+#     SANITIZE_GRIDS=backward_grid scripts/sanitize.sh   # some grids only (their names)
 #     SANITIZE_TOOLS="memcheck racecheck" scripts/sanitize.sh     # some tools only
 #     PYTHON=python3.12 SANITIZER_FLAGS="..." scripts/sanitize.sh
 #
@@ -40,7 +36,8 @@ api_flag=""
 
 status=0
 summary=()
-for grid_name in ${SANITIZE_GRIDS:-forward_grid backward_grid quant_grid gated_grid qk_rope_grid}; do
+all_grids=$(cd scripts/sanitize && ls *_grid.py | sed 's/\.py$//' | tr '\n' ' ')
+for grid_name in ${SANITIZE_GRIDS:-$all_grids}; do
 script=$grid_name
 if [ ! -f "scripts/sanitize/$script.py" ]; then
     echo "sanitize: no grid scripts/sanitize/$script.py" >&2
