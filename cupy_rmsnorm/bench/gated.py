@@ -163,12 +163,17 @@ def unsupported(impl, case):
     return None
 
 
-def _mamba_takes_group_size():
-    """Whether MambaRMSNormGated takes a group size (transformers 5.24 does, 5.17 not)."""
-    import inspect
+def _mamba_gated_norm():
+    """Mamba2's gated norm class: ``Mamba2RMSNormGated`` from transformers 5.25 on,
+    ``MambaRMSNormGated`` before."""
+    from transformers.models.mamba2 import modeling_mamba2
+    return getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
-    return "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters
+
+def _mamba_takes_group_size():
+    """Whether Mamba2's gated norm takes a group size (transformers 5.24 on does, 5.17 not)."""
+    import inspect
+    return "group_size" in inspect.signature(_mamba_gated_norm().__init__).parameters
 
 
 def availability(names):
@@ -284,10 +289,10 @@ def _module(impl, case):
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
         return Qwen3NextRMSNormGated(case.width, eps=EPS)
     if impl == "hf":
-        from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+        norm = _mamba_gated_norm()
         if _mamba_takes_group_size():
-            return MambaRMSNormGated(case.width, group_size=case.group_size or case.width, eps=EPS)
-        return MambaRMSNormGated(case.width, eps=EPS)
+            return norm(case.width, group_size=case.group_size or case.width, eps=EPS)
+        return norm(case.width, eps=EPS)
     raise ValueError(f"no module for {impl!r}")
 
 
