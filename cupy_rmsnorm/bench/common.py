@@ -576,8 +576,9 @@ def save_partial(args, payload):
     write_json(os.path.join(args.out, args.name + ".json"), payload)
 
 
-def finish_run(module, args, payload, interrupted=False):
-    """The end of every run: the files written, the report printed; the exit status."""
+def finish_run(module, args, payload, interrupted=False, measured=None):
+    """The end of every run: the files written, the report printed; the exit status (an error where
+    nothing was ``measured``: by default the payload's results)."""
     written = write_report(module, payload, args.out, args.name, charts=not args.no_chart)
     print(module.format_report(payload))
     for path in written:
@@ -585,7 +586,7 @@ def finish_run(module, args, payload, interrupted=False):
     warn_if_dirty(payload["meta"])
     if interrupted:
         return EXIT_INTERRUPTED
-    return EXIT_OK if payload.get("results") else EXIT_ERROR
+    return EXIT_OK if (payload.get("results") if measured is None else measured) else EXIT_ERROR
 
 
 def run_sweep(module, args, payload, started, items, label, measure):
