@@ -364,24 +364,12 @@ def build(torch, impl, op, case, inputs):
 def run(args):
     import torch
 
-    from . import timing
     started = time.perf_counter()
-    device = common.gpu_device()
     impls, missing = availability(["ours"] + list(args.peers))
-    runners = {"torch": timing.TorchRunner()}
-    if any(i in CUPY_IMPLS for i in impls):
-        runners["cupy"] = timing.CupyRunner()
-    scratch = timing.Scratch() if "cold" in args.modes else None
-    bandwidth, _ = timing.copy_bandwidth_gbps()
     todo = cases(args)
-    payload = {"meta": common.run_metadata("gated", device, copy_GBps=bandwidth, dtypes=args.dtypes, ops=args.ops,
-                                           modes=args.modes, repeats=args.repeats, target_us=args.target_us,
-                                           tolerance=TOLERANCE, cases=[c._asdict() for c in todo],
-                                           implementations={n: DESCRIPTIONS[n] for n in impls}),
-               "results": [], "errors": [], "skipped": dict(missing)}
-    common.log(f"gated on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; {len(todo)} cases x "
-               f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
-               + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
+    payload, runners, scratch, bandwidth = common.start_run(
+        "gated", args, impls=impls, missing=missing, cupy=any(i in CUPY_IMPLS for i in impls), ops=args.ops,
+        tolerance=TOLERANCE, cases=[c._asdict() for c in todo], implementations={n: DESCRIPTIONS[n] for n in impls})
     measure = functools.partial(measure_case, torch, args, payload, impls, runners, scratch, bandwidth, {})
     return common.run_sweep(sys.modules[__name__], args, payload, started, todo, describe, measure)
 
