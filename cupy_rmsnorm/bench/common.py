@@ -157,7 +157,7 @@ def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=
                             help=f"a list of {', '.join(choices)} (default: {text})")
     if repeats is not None:
         parser.add_argument("--repeats", type=positive_int, metavar="N", help=repeats)
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder")
     parser.add_argument("--name", help="file name stem of the outputs (default: the sub-command's name; "
                                        "with --replot, the report's)")
     parser.add_argument("--quick", action="store_true", help="a short run (fewer shapes, repeats, steps)")

@@ -40,7 +40,7 @@ def add_arguments(p):
                               repeats="timing rounds per measurement, every mode (default: graph 10, cold 30, "
                                       "hot 5; --quick: 5, 10, 3)")
     p.add_argument("--ops", type=common.comma_list(str, peers.OPS, "op"), default=list(peers.OPS),
-                   help="ops to measure: rms, fused (default: both)")
+                   help="ops to measure: rms, fused ")
     p.add_argument("--peers", type=_peers, default=list(peers.SELECTABLE),
                    help=f"all, none or a list of {', '.join(peers.SELECTABLE)} (default: all that are "
                         f"installed; 'ours' always runs)")

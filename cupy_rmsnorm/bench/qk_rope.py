@@ -100,7 +100,7 @@ def add_arguments(p):
                    help="attention shapes as query heads / key-value heads x head_dim, a comma list "
                         f"(default: {HEADS_TEXT})")
     p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
-                   help="passes: fwd (in place), fwdbwd (forward + backward through autograd) (default: both)")
+                   help="passes: fwd (in place), fwdbwd (forward + backward through autograd) ")
     p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
                    help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
                         "'ours' always runs)")

@@ -33,7 +33,7 @@ def add_arguments(p):
     common.add_common_options(p, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16",
                               modes=(MODES, "graph"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
     p.add_argument("--cases", type=common.comma_list(str, CASES, "case"), default=list(CASES),
-                   help=f"a list of {', '.join(CASES)} (default: all)")
+                   help=f"a list of {', '.join(CASES)}")
     p.add_argument("--flashinfer", metavar="PATH",
                    help="FlashInfer's kernels: a built library (.so), a folder of extracted headers "
                         "(python -m cupy_rmsnorm.bench.flashinfer WHEEL), a flashinfer_python wheel, or "
