@@ -28,7 +28,7 @@ ROUNDS = {"graph": 10, "cold": 30, "hot": 5}
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("op", ("rms", "fused"))
 def test_rmsnorm(benchmark, gpu, op, shape, dtype, mode):
-    from cupy_rmsnorm.bench import common, forward, forward_report, peers, timing
+    from cupy_rmsnorm.bench import common, forward, peers, timing
     tokens, hidden = shape
     case = peers.Case(op, dtype, tokens, hidden)
     fn = peers.build("ours", case)
@@ -48,11 +48,11 @@ def test_rmsnorm(benchmark, gpu, op, shape, dtype, mode):
         timer.close()
     us = statistics.median(timer.samples[-ROUNDS[mode]:])   # the timed rounds, not the warm-up
     plan = forward.plan_for(op, tokens, hidden, common.ITEMSIZE[dtype], gpu.sm_count, gpu.max_cluster)
-    rec = forward_report.make_record(op, dtype, tokens, hidden, "ours", mode, us, nbytes, gpu.copy_gbps,
+    rec = forward.make_record(op, dtype, tokens, hidden, "ours", mode, us, nbytes, gpu.copy_gbps,
                              calls, ROUNDS[mode], err, plan)
     benchmark.extra_info.update({
         "op": op, "shape": [tokens, hidden], "dtype": dtype, "mode": mode,
         "calls_per_round": calls, "us_per_call": us, "bytes": nbytes, "GBps": rec["GBps"],
         "pct_copy_bandwidth": rec["pct_copy"], "copy_GBps": gpu.copy_gbps,
-        "max_abs_err": err, "plan": rec["plan"], "plan_text": forward_report.plan_text(rec["plan"])})
+        "max_abs_err": err, "plan": rec["plan"], "plan_text": forward.plan_text(rec["plan"])})
     case.release()

@@ -193,14 +193,15 @@ def _group_size_of(module, hidden):
 
 
 @torch.no_grad()
-def _matching_numerics(module, weight, eps, gated):
+def _matching_numerics(module, weight, eps, gated, forward=None):
     """The keyword arguments of this library's module that reproduce ``module`` on a probe
     input (casting_mode and weight_offset; for a gated module also norm_before_gate, and its
     group_size and activation as it states them), or None.
 
-    Runs the original forward and each candidate on the same random rows (a private
-    generator: the caller's random state is left alone); among the candidates within
-    tolerance, the one with the most bit-identical elements wins.
+    Runs the original forward (``forward``, default ``module.forward``; cupy_rmsnorm.hf passes
+    the class's own, since kernels replaced the instance's) and each candidate on the same
+    random rows (a private generator: the caller's random state is left alone); among the
+    candidates within tolerance, the one with the most bit-identical elements wins.
     """
     tol = _PROBE_TOLERANCE.get(weight.dtype)
     if tol is None:
@@ -209,8 +210,9 @@ def _matching_numerics(module, weight, eps, gated):
     hidden = weight.shape[0]
     x, gate = (torch.randn(_PROBE_ROWS, hidden, generator=gen, device=weight.device, dtype=torch.float32
                            ).to(weight.dtype) for _ in range(2))
+    forward = module.forward if forward is None else forward
     try:   # forward itself: hooks on the module stay quiet
-        expected = module.forward(x, gate) if gated else module.forward(x)
+        expected = forward(x, gate) if gated else forward(x)
     except Exception:  # noqa: BLE001 - a forward that needs other arguments is not ours to replace
         return None
     if not isinstance(expected, torch.Tensor) or expected.shape != x.shape:
@@ -236,13 +238,6 @@ def _matching_numerics(module, weight, eps, gated):
         if best is None or exact > best[0]:
             best = (exact, kwargs)
     return None if best is None else best[1]
-
-
-def _require_cuda(found):
-    for name, _, weight, _, _ in found:
-        if weight.device.type != "cuda":
-            raise ValueError(f"patch_hf_rmsnorm: {name} is on {weight.device}; cupy_rmsnorm runs on "
-                             f"CUDA tensors only, so move the model first (model.cuda())")
 
 
 # -- residual add + norm inside a decoder layer -------------------------------------------------
@@ -509,9 +504,10 @@ def patch_hf_rmsnorm(model, fuse_residual=False, fuse_qk_rope=False, layer_norm=
     formula, a forward that needs more arguments) is left as it is, with a warning.
 
     The new module shares the old one's weight Parameter (same object, same
-    state_dict key), so loading, saving and tied weights are unaffected. Every
-    candidate must be on a CUDA device (move the model first); nothing is replaced
-    otherwise. Forward hooks on the old modules are not carried over.
+    state_dict key), so loading, saving and tied weights are unaffected. On CUDA tensors the
+    norms run the library's kernels; on CPU tensors its NumPy reference (the same bits as the
+    kernels' contract, slower than torch's own norms: for tests and checks). Forward hooks on
+    the old modules are not carried over.
 
     Differences from the original modules: the output has the input's dtype even when
     the weight's dtype differs (HF returns the promoted dtype there); the gradients are the
@@ -558,7 +554,6 @@ def patch_hf_rmsnorm(model, fuse_residual=False, fuse_qk_rope=False, layer_norm=
         ``fuse_qk_rope`` are not counted.
     """
     found = _candidates(model)
-    _require_cuda(found)
     replacements = {}
     for name, module, weight, eps, gated in found:
         if id(module) in replacements:

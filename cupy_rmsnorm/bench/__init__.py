@@ -2,8 +2,8 @@
 
 Modules: ``cli`` (the command line), ``common`` (what every sub-command shares: options,
 shapes, exit codes, the no-GPU path, run metadata, tables, files), one module per sub-command
-(``forward`` with ``forward_report`` and ``peers``, ``backward``, ``quant`` with
-``flashinfer``, ``gated``, ``e2e``, ``train``), ``timing`` (CUDA events, graphs, the modes, copy
+(``forward`` with ``peers``, ``backward``, ``quant`` and ``qk_rope`` with ``flashinfer``,
+``gated``, ``e2e`` with ``serving``, ``train``), ``timing`` (CUDA events, graphs, the modes, copy
 bandwidth, first-call latency, host cost) and ``arrays`` (bfloat16 through its bits, the NaN
 poison, torch views). Nothing here imports CuPy or torch until a GPU run starts.
 """

@@ -39,54 +39,33 @@ def requirements_missing(args):
 
 
 # -- the report ----------------------------------------------------------------------------------
-HEADERS = ["dtype", "shape", "phase", "mode", *IMPLS, "ours / best", "ours / copy", "agree dx", "agree dw"]
+HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "agree dx", "agree dw"]
 CSV_COLUMNS = {**dict.fromkeys(("dtype", "rows", "hidden", "phase", "mode")), **common.time_columns(IMPLS),
                "agree_dx": ".3e", "agree_dw": ".3e"}
 
 
 def table_rows(results):
-    return [[r["dtype"], f"{r['rows']}x{r['hidden']}", r["phase"], r.get("mode", "graph"),
-             *common.timing_cells(r["us"], IMPLS, PEERS), f"{r['agree_dx']:.2e}", f"{r['agree_dw']:.2e}"]
-            for r in results]
+    return [[f"{r['rows']}x{r['hidden']}", *common.timing_cells(r["us"], IMPLS, PEERS), f"{r['agree_dx']:.2e}",
+             f"{r['agree_dw']:.2e}"] for r in results]
 
 
-def _modes(payload):
-    return [m for m in MODES if any(r.get("mode", "graph") == m for r in payload["results"])]
-
-
-def _report(payload, markdown=False):
-    sections = [(f"backward, {mode} mode: GPU microseconds per call (medians)", HEADERS,
-                 table_rows([r for r in payload["results"] if r.get("mode", "graph") == mode]), (0, 2, 3), None)
-                for mode in _modes(payload)]
-    intro = [f"copy bandwidth: {payload['meta'].get('copy_GBps', 0):.0f} GB/s"]
-    return common.render_report(payload, "Backward", intro, sections, markdown)
+REPORT = common.SectionedReport(heading="Backward", note="", headers=HEADERS, left=(0,), rows=table_rows,
+                                op_titles={p: p for p in PHASES}, modes=MODES, peers=PEERS, op_key="phase")
 
 
 def format_report(payload):
-    return _report(payload)
+    return common.sectioned_report(REPORT, payload)
 
 
 def format_markdown(payload):
-    return _report(payload, markdown=True)
+    return common.sectioned_report(REPORT, payload, markdown=True)
 
 
 def write_charts(payload, stem):
-    """``stem_MODE.png``: each implementation's time over the copy's, per shape and dtype, a
-    panel per phase."""
-    paths = []
-    impls = [i for i in IMPLS if i != "copy"]
-    for mode in _modes(payload):
-        rows = [r for r in payload["results"] if r.get("mode", "graph") == mode and r["us"].get("copy")]
-        groups, labels = [], []
-        for phase in [p for p in PHASES if any(r["phase"] == p for r in rows)]:
-            sel = [r for r in rows if r["phase"] == phase]
-            groups.append((f"{phase}, {mode}", {i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None
-                                                    for r in sel] for i in impls}))
-            labels.append([f"{r['rows']}x{r['hidden']}\n{r['dtype']}" for r in sel])
-        if groups:
-            paths += common.bar_chart(f"{stem}_{mode}.png", "backward: time over a copy of the same bytes",
-                                      groups, labels, impls)
-    return paths
+    """``stem_MODE.png``: each implementation's time over the copy's, per shape and dtype, a panel per phase."""
+    return common.section_charts(REPORT, payload, stem, lambda mode, dtype: f"backward, {mode} mode: time over a "
+                                 "copy of the same bytes", IMPLS[:-1], lambda r: f"{r['rows']}x{r['hidden']}\n{r['dtype']}",
+                                 per_dtype=False)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -137,8 +116,6 @@ def _agreement(torch, x, w, dy):
 
 def run(args):
     import torch
-
-    from . import timing
     started = time.perf_counter()
     torch._dynamo.config.cache_size_limit = 64
 
@@ -147,17 +124,10 @@ def run(args):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
     compiled = torch.compile(eager_rms_norm, fullgraph=True, dynamic=False)
     liger, liger_why = _liger()
-    runner = timing.TorchRunner()
-    scratch = timing.Scratch() if "cold" in args.modes else None
-    bandwidth, _ = timing.copy_bandwidth_gbps()
-    payload = {"meta": common.run_metadata("backward", common.gpu_device(), copy_GBps=bandwidth, dtypes=args.dtypes,
-                                           shapes=[list(s) for s in args.shapes], modes=args.modes,
-                                           repeats=args.repeats, target_us=args.target_us),
-               "results": [], "errors": [], "skipped": {}}
-    if liger is None:
-        payload["skipped"]["liger"] = liger_why
-    common.log(f"backward on {payload['meta']['device']['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; "
-               f"liger: {liger_why or 'yes'}")
+    payload, runners, scratch, bandwidth = common.start_run(
+        "backward", args, impls=[i for i in IMPLS if i != "liger" or liger], missing={"liger": liger_why} if liger_why
+        else {}, shapes=[list(s) for s in args.shapes])
+    runner = runners["torch"]
     def measure(shape, dtype):
         _measure_shape(torch, args, payload, *shape, dtype, compiled, liger, runner, scratch, bandwidth)
     return common.run_sweep(sys.modules[__name__], args, payload, started, args.shapes, lambda s: f"{s[0]}x{s[1]}",

@@ -20,6 +20,18 @@ EXIT_CODES = (f"exit status: {common.EXIT_OK} done; {common.EXIT_ERROR} nothing 
               "measured is written)")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; each option's default after its help, where argparse holds it
+    (None: resolved after parsing, from DEFAULTS and --quick, which the help text says)."""
+
+    def _get_help_string(self, action):
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default:" in (action.help or ""):
+            return action.help     # resolved after parsing, or the help says it
+        text = ",".join("none" if v is None else str(v) for v in default) if isinstance(default, list) else default
+        return f"{action.help} (default: {text})"
+
+
 def build_parser():
     """The top-level parser and {name: its sub-command's parser}."""
     parser = argparse.ArgumentParser(
@@ -38,7 +50,7 @@ def build_parser():
                                     description=module.__doc__.strip().replace("``", ""),
                                     epilog=(f"implementations:{listing}\n\n" if listing else "")
                                     + f"needs {module.NEEDS}\n\n{EXIT_CODES}",
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                                    formatter_class=HelpFormatter)
         module.add_arguments(sub)
         parsers[name] = sub
     return parser, parsers

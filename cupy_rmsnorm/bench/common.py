@@ -157,7 +157,7 @@ def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=
                             help=f"a list of {', '.join(choices)} (default: {text})")
     if repeats is not None:
         parser.add_argument("--repeats", type=positive_int, metavar="N", help=repeats)
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder")
     parser.add_argument("--name", help="file name stem of the outputs (default: the sub-command's name; "
                                        "with --replot, the report's)")
     parser.add_argument("--quick", action="store_true", help="a short run (fewer shapes, repeats, steps)")
@@ -430,19 +430,20 @@ def best_peer_summary(results, peers):
     return f"geomean ours / best peer: {geomean(ratios):.3f} over {len(ratios)} cases" if ratios else ""
 
 
-def sections_of(results, ops, modes):
+def sections_of(results, ops, modes, op_key="op"):
     """{(op, mode, dtype): its records}: passes in ``ops`` order, modes in ``modes`` order, dtypes
     as measured."""
-    keys = unique((r["op"], r["mode"], r["dtype"]) for r in results)
+    keys = unique((r[op_key], r["mode"], r["dtype"]) for r in results)
     keys.sort(key=lambda k: (ops.index(k[0]), modes.index(k[1])))
-    return {k: [r for r in results if (r["op"], r["mode"], r["dtype"]) == k] for k in keys}
+    return {k: [r for r in results if (r[op_key], r["mode"], r["dtype"]) == k] for k in keys}
 
 
 class SectionedReport(NamedTuple):
     """How a report of one table per (pass, mode, dtype) section reads: ``heading`` of its
     Markdown, ``note`` under the copy bandwidth, the table's ``headers`` and ``left``-aligned
     columns, ``rows(records)`` its rows, ``op_titles`` {pass: its title} in the sections' order,
-    ``modes`` in the sections' order, ``peers`` the best peer's candidates."""
+    ``modes`` in the sections' order, ``peers`` the best peer's candidates, ``op_key`` the
+    records' field naming the pass."""
     heading: str
     note: str
     headers: list
@@ -451,6 +452,7 @@ class SectionedReport(NamedTuple):
     op_titles: dict
     modes: tuple
     peers: tuple
+    op_key: str = "op"
 
 
 def section_title(spec, key):
@@ -482,7 +484,7 @@ def sectioned_report(spec, payload, markdown=False):
     intro = [f"copy bandwidth: {payload['meta'].get('copy_GBps', 0):.0f} GB/s", spec.note]
     sections = [(section_title(spec, key), spec.headers, spec.rows(rows), spec.left,
                  best_peer_summary(rows, spec.peers))
-                for key, rows in sections_of(payload["results"], tuple(spec.op_titles), spec.modes).items()]
+                for key, rows in sections_of(payload["results"], tuple(spec.op_titles), spec.modes, spec.op_key).items()]
     return render_report(payload, spec.heading, intro, sections, markdown)
 
 
@@ -576,8 +578,9 @@ def save_partial(args, payload):
     write_json(os.path.join(args.out, args.name + ".json"), payload)
 
 
-def finish_run(module, args, payload, interrupted=False):
-    """The end of every run: the files written, the report printed; the exit status."""
+def finish_run(module, args, payload, interrupted=False, measured=None):
+    """The end of every run: the files written, the report printed; the exit status (an error where
+    nothing was ``measured``: by default the payload's results)."""
     written = write_report(module, payload, args.out, args.name, charts=not args.no_chart)
     print(module.format_report(payload))
     for path in written:
@@ -585,7 +588,7 @@ def finish_run(module, args, payload, interrupted=False):
     warn_if_dirty(payload["meta"])
     if interrupted:
         return EXIT_INTERRUPTED
-    return EXIT_OK if payload.get("results") else EXIT_ERROR
+    return EXIT_OK if (payload.get("results") if measured is None else measured) else EXIT_ERROR
 
 
 def run_sweep(module, args, payload, started, items, label, measure):
@@ -609,6 +612,31 @@ def run_sweep(module, args, payload, started, items, label, measure):
         log("interrupted: saving what was measured")
     payload["meta"]["seconds"] = time.perf_counter() - started
     return finish_run(module, args, payload, interrupted)
+
+
+class Start(NamedTuple):
+    """What a sweep starts from (``start_run``)."""
+    payload: dict
+    runners: dict
+    scratch: object
+    bandwidth: float
+
+
+def start_run(command, args, *, impls=(), missing=None, device=None, cupy=False, **meta):
+    """The start of a sweep: the device, torch's runner (and CuPy's with ``cupy``), cold mode's
+    scratch buffer, the copy bandwidth and the payload (``meta`` into its meta, ``missing`` into
+    its skipped), in one opening log line."""
+    from . import timing
+    device = device or gpu_device()
+    runners = {"torch": timing.TorchRunner(), **({"cupy": timing.CupyRunner()} if cupy else {})}
+    scratch = timing.Scratch() if "cold" in args.modes else None
+    bandwidth, _ = timing.copy_bandwidth_gbps()
+    payload = {"meta": run_metadata(command, device, copy_GBps=bandwidth, dtypes=args.dtypes, modes=args.modes,
+                                    repeats=args.repeats, target_us=args.target_us, **meta),
+               "results": [], "errors": [], "skipped": dict(missing or {})}
+    log(f"{command} on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s" + (f"; {', '.join(impls)}" if impls else "")
+        + "".join(f"\nnote: {n} left out: {why}" for n, why in payload["skipped"].items()))
+    return Start(payload, runners, scratch, bandwidth)
 
 
 def record_error(payload, where, e):
@@ -725,19 +753,19 @@ def bar_chart(path, title, groups, labels, series):
     return [path]
 
 
-def section_charts(spec, payload, stem, title, impls, label):
-    """``stem_MODE_DTYPE.png``: each of ``impls``' time over the copy's, per record, a panel per pass
-    (``title(mode, dtype)``: the chart's title; ``label(record)``: a bar's label)."""
+def section_charts(spec, payload, stem, title, impls, label, per_dtype=True):
+    """``stem_MODE_DTYPE.png`` (``stem_MODE.png`` without ``per_dtype``): each of ``impls``' time over
+    the copy's, per record, a panel per pass (``title(mode, dtype)``: the chart's title;
+    ``label(record)``: a bar's label)."""
     paths = []
     results = [r for r in payload["results"] if r["us"].get("copy")]
-    by_section = sections_of(results, tuple(spec.op_titles), spec.modes)
-    for mode, dtype in unique((r["mode"], r["dtype"]) for r in results):
-        groups, labels = [], []
-        for (op, m, d), rows in by_section.items():
-            if (m, d) != (mode, dtype):
-                continue
-            groups.append((spec.op_titles[op], {
-                i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None for r in rows] for i in impls}))
-            labels.append([label(r) for r in rows])
-        paths += bar_chart(f"{stem}_{mode}_{dtype}.png", title(mode, dtype), groups, labels, impls)
+    for mode, dtype in unique((r["mode"], r["dtype"] if per_dtype else None) for r in results):
+        chart = [r for r in results if r["mode"] == mode and dtype in (None, r["dtype"])]
+        panels = [[r for r in chart if r[spec.op_key] == op] for op in spec.op_titles]
+        panels = [rows for rows in panels if rows]
+        groups = [(spec.op_titles[rows[0][spec.op_key]],
+                   {i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None for r in rows] for i in impls})
+                  for rows in panels]
+        paths += bar_chart(f"{stem}_{mode}{f'_{dtype}' if dtype else ''}.png", title(mode, dtype), groups,
+                           [[label(r) for r in rows] for rows in panels], impls)
     return paths

@@ -1,11 +1,9 @@
 """``e2e``: a random Llama (``--model qwen3``: Qwen3) with HF's norms (``hf``), ours (``ours``,
 ``ours_fused``: residual adds fused, ``ours_qk``: Qwen3's q/k norm with the rotation) and Liger's.
 
-Measured: a CUDA-graph decode step and a prefill (``serving``), and ``generate`` (eager, or
-compiled with a static cache): prefill = T(1 token), decode = (T(N) - T(1)) / (N - 1); the
-variants interleaved round by round against drift. Checked: logits and each norm's output
-against ``hf``, top-1 against the model in float32, and the floor of that check (``hf`` with its
-variance rounded once).
+Measured (``serving``): a CUDA-graph decode step and a prefill, the variants interleaved round by
+round against drift. Checked: logits and each norm's output against ``hf``, top-1 against the
+model in float32, and the floor of that check (``hf`` with its variance rounded once).
 """
 
 import argparse
@@ -17,10 +15,9 @@ import sys
 import time
 from typing import NamedTuple
 
-from . import common, serving
+from . import common, peers, serving
 
-SUMMARY = "a whole Llama- or Qwen3-shaped model generating, with HF's, our and Liger's norms"
-
+SUMMARY = "a whole Llama- or Qwen3-shaped model's decode step and prefill, with HF's, our and Liger's norms"
 
 class Family(NamedTuple):
     """A transformers model family the benchmark builds: where its classes live, its RMSNorm
@@ -51,78 +48,54 @@ VARIANT_TITLES = {
     "ours_qk": "patch_hf_rmsnorm(model, fuse_qk_rope=True) (Qwen3)",
     "liger": "Liger-Kernel's RMSNorm only (apply_liger_kernel_to_*(rms_norm=True), no other patch)",
 }
-MODES = ("eager", "compiled")
-MODE_TITLES = {"eager": "generate, dynamic cache, inference_mode",
-               "compiled": "generate(cache_implementation='static'): the decode forward compiled (CUDA graphs)"}
 BASELINE = "hf"
 EPS = 1e-6
+VOCAB = 32000
+AGREE_BATCH = 4              # sequences of --agree-tokens in the teacher-forced forward
 NORM_WEIGHT_STD = 0.1        # norm weights 1 + N(0, 0.1): at all-ones, llama and fp32 rounding agree
 PREFILL_REPLAYS = 3          # a 2048-token forward runs for milliseconds: a few calls per sample
-EXPLAIN_TOKENS = 16          # the graph-break count needs a forward, not a long one
 COMPILE_ESTIMATE_S = 75.0    # one variant's compile, for the time budget (8-layer Llama on an H200)
-RECOMPILE_LIMIT = 64         # variants share code objects: one Dynamo cache entry each
-DEFAULTS = {"layers": 8, "hidden": 4096, "heads": 32, "kv_heads": 8, "vocab": 32000,
-            "new_tokens": 64, "repeats": 5, "modes": ["eager"], "agree_tokens": 1024,
+DEFAULTS = {"layers": 8, "hidden": 4096, "heads": 32, "kv_heads": 8, "repeats": 5, "agree_tokens": 1024,
             "step_modes": list(serving.STEP_MODES), "step_batches": [1, 64], "prefill": 2048, "replays": 50}
-QUICK = {"layers": 2, "new_tokens": 16, "repeats": 2, "modes": ["eager"], "agree_tokens": 256,
-         "step_modes": ["eager"], "step_batches": [1], "prefill": 512, "replays": 10}
+QUICK = {"layers": 2, "repeats": 2, "agree_tokens": 256, "step_modes": ["eager"], "step_batches": [1],
+         "prefill": 512, "replays": 10}
 
 
 class Skipped(Exception):
     """This variant cannot run here (not installed, no such keyword, no CUDA): reported, not an error."""
 
 
-# -- arguments ------------------------------------------------------------------------------------
 DESCRIPTIONS = VARIANT_TITLES
 NEEDS = f"torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: {common.INSTALL_HINTS['liger']}"
 
 
 def add_arguments(p):
-    common.add_common_options(p, modes=(MODES, "eager; the decode step's compiled form is in --step-modes"),
-                              repeats="interleaved rounds over the variants, per mode (default: 5; --quick: 2)",
-                              charts=False)
+    common.add_common_options(p, repeats="interleaved rounds over the variants (--quick: 2)", charts=False)
     positive = common.positive_int
     p.add_argument("--model", choices=tuple(FAMILIES), default="llama",
-                   help="the model's family: llama, or qwen3 (per-head q/k norms; the ours_qk variant) "
-                        "(default: llama)")
-    p.add_argument("--layers", type=positive, help="decoder layers (default: 8; --quick: 2)")
-    p.add_argument("--hidden", type=positive, help="hidden size (default: 4096)")
-    p.add_argument("--intermediate", type=positive,
-                   help="MLP intermediate size (default: Llama 14336, Qwen3 12288)")
-    p.add_argument("--heads", type=positive, help="attention heads (default: 32)")
-    p.add_argument("--kv-heads", type=positive, help="key/value heads (default: 8)")
-    p.add_argument("--vocab", type=positive, help="vocabulary size (default: 32000)")
+                   help="the model's family (qwen3: per-head q/k norms, the ours_qk variant)")
+    p.add_argument("--layers", type=positive, help="decoder layers (--quick: 2)")
+    p.add_argument("--hidden", type=positive, help="hidden size")
+    p.add_argument("--intermediate", type=positive, help="MLP intermediate size (default: Llama 14336, Qwen3 12288)")
+    p.add_argument("--heads", type=positive, help="attention heads")
+    p.add_argument("--kv-heads", type=positive, help="key/value heads")
     p.add_argument("--dtype", type=common.argparse_type(common.parse_dtype), default="bfloat16",
-                   help="the model's dtype: bf16, fp16 or fp32 (default: bf16)")
-    p.add_argument("--batch", type=positive, default=1, help="prompts per generate call (default: 1)")
-    p.add_argument("--prompt", type=positive, default=128, help="prompt tokens (default: 128)")
-    p.add_argument("--new-tokens", type=positive,
-                   help="tokens generated per timed call, at least 2 (default: 64; --quick: 16)")
+                   help="the model's dtype: bf16, fp16 or fp32")
     p.add_argument("--variants", type=common.comma_list(str.lower, VARIANTS, "variant"),
-                   help=f"a list of {', '.join(VARIANTS)} (default: all the model has: ours_qk needs "
-                        f"--model qwen3; hf always runs, as the reference)")
+                   help=f"a list of {', '.join(VARIANTS)} (default: all the model has; hf always runs, as the "
+                        "reference)")
     p.add_argument("--agree-tokens", type=positive,
-                   help="tokens of the teacher-forced forward that checks the logits (default: 1024; --quick: 256)")
-    p.add_argument("--agree-batch", type=positive, default=4,
-                   help="sequences of --agree-tokens each in that forward (default: 4)")
+                   help="tokens of the teacher-forced forward that checks the logits (--quick: 256)")
     p.add_argument("--step-modes", type=common.comma_list(str.lower, serving.STEP_MODES, "step mode"),
-                   help="forms of the timed decode step: eager, compiled (default: both; --quick: eager)")
-    p.add_argument("--compile-variants", type=common.comma_list(str.lower, VARIANTS, "variant"),
-                   help="the variants whose compiled decode step is timed (each is a compile of the whole "
-                        "model per batch; default: all)")
+                   help="forms of the timed decode step: eager, compiled (--quick: eager)")
     p.add_argument("--step-batches", type=common.comma_list(common.positive_int, what="batch"),
-                   help="sequences per decode step (default: 1,64; --quick: 1)")
-    p.add_argument("--context", type=positive, default=512,
-                   help="the decode step's position in its static cache (default: 512)")
-    p.add_argument("--prefill", type=positive, help="tokens of the timed prefill (default: 2048; --quick: 512)")
-    p.add_argument("--replays", type=positive,
-                   help="CUDA graph replays per timed decode step sample (default: 50; --quick: 10)")
-    p.add_argument("--no-fullgraph", action="store_true",
-                   help="compile with graph breaks allowed (default: fullgraph=True, a break is an error)")
+                   help="sequences per decode step (--quick: 1)")
+    p.add_argument("--context", type=positive, default=512, help="the decode step's position in its static cache")
+    p.add_argument("--prefill", type=positive, help="tokens of the timed prefill (--quick: 512)")
+    p.add_argument("--replays", type=positive, help="CUDA graph replays per timed decode step sample (--quick: 10)")
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
-                   help="start no compile and no round that would end past S seconds from the start "
-                        "(what is left out is reported; default: no limit)")
-    p.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
+                   help="start no compile and no round that would end past S seconds from the start")
+    p.add_argument("--seed", type=int, default=0, help="weights and token ids")
     # "cpu": the hf variant alone, to smoke the harness without a GPU
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
 
@@ -134,8 +107,6 @@ def finish_args(args, p):
         args.intermediate = family.intermediate
     if args.variants is None:
         args.variants = [v for v in VARIANTS if v != "ours_qk" or family.qk_norms]
-    if args.new_tokens < 2:
-        p.error("--new-tokens must be at least 2 (decode time is T(N) - T(1) over N - 1 tokens)")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     if args.heads % args.kv_heads:
@@ -151,60 +122,11 @@ def requirements_missing(args):
 
 def model_config(args):
     """The config keywords (LlamaConfig's, Qwen3Config's) of this run."""
-    return {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+    return {"vocab_size": VOCAB, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
             "head_dim": args.hidden // args.heads, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
             "num_key_value_heads": args.kv_heads, "rms_norm_eps": EPS,
-            "max_position_embeddings": max(2048, args.prompt + args.new_tokens, args.agree_tokens,
-                                           args.context + 1, args.prefill),
+            "max_position_embeddings": max(2048, args.agree_tokens, args.context + 1, args.prefill),
             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-
-
-# -- order, statistics ------------------------------------------------------------------------------
-def interleaved_order(variants, repeats):
-    """[(round, variant)]: every variant once per round, rounds one after the other
-    (A B C D A B C D ...), so slow drift of the machine spreads over all of them."""
-    return [(r, v) for r in range(repeats) for v in variants]
-
-
-def decode_ms_per_token(one_s, many_s, new_tokens):
-    """Milliseconds per decoded token from generate's time for 1 and for ``new_tokens``
-    tokens: the prefill and generate's fixed costs cancel out."""
-    return (many_s - one_s) * 1e3 / (new_tokens - 1)
-
-
-def summarize(timings, new_tokens, batch):
-    """One row per (mode, variant) with a measurement: prefill and decode spreads, and
-    the decode and prefill medians relative to the baseline of the same mode."""
-    by_key = {}
-    for t in timings:
-        by_key.setdefault((t["mode"], t["variant"]), {}).setdefault(t["round"], {})[t["new_tokens"]] = t["seconds"]
-    rows = []
-    for (mode, variant), rounds in by_key.items():
-        prefill = [r[1] * 1e3 for r in rounds.values() if 1 in r]
-        decode = [decode_ms_per_token(r[1], r[new_tokens], new_tokens) for r in rounds.values()
-                  if 1 in r and new_tokens in r]
-        d = common.spread(decode)
-        rows.append({"mode": mode, "variant": variant, "prefill_ms": common.spread(prefill), "decode_ms": d,
-                     "tokens_per_s": batch * 1e3 / d["median"] if d and d["median"] > 0 else None})
-    for row in rows:
-        base = next((b for b in rows if b["mode"] == row["mode"] and b["variant"] == BASELINE), {})
-        row["prefill_vs_hf"] = _median_ratio(row["prefill_ms"], base.get("prefill_ms"))
-        row["decode_vs_hf"] = _median_ratio(row["decode_ms"], base.get("decode_ms"))
-    order = {(m, v): i for i, (m, v) in enumerate(itertools.product(MODES, VARIANTS))}
-    return sorted(rows, key=lambda r: order.get((r["mode"], r["variant"]), len(order)))
-
-
-def _median_ratio(a, b):
-    return a["median"] / b["median"] if a and b and b["median"] else None
-
-
-def counter_delta(before, after):
-    """What grew between two flat counter snapshots ({key: count})."""
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-
-
-def graph_count_of(delta):
-    return delta.get("stats.unique_graphs", 0)
 
 
 def fits_budget(elapsed_s, needed_s, budget_s):
@@ -212,34 +134,12 @@ def fits_budget(elapsed_s, needed_s, budget_s):
     return budget_s is None or elapsed_s + needed_s <= budget_s
 
 
-# -- the report: one flat record per table row; the CSV holds the serving and generate ones ----------
+# -- the report (a saved report's generate records, a measure since dropped, are not shown) ----------
 def serving_records(payload):
     return [{"measure": r["measure"], "batch": r["batch"], "mode": r["mode"], "variant": r["variant"],
              "us": r["us"]["median"], "us_min": r["us"]["min"], "us_max": r["us"]["max"], "rounds": r["us"]["n"],
              "vs_hf": r["vs_hf"], "vs_hf_compiled": r["vs_hf_compiled"]}
             for r in (payload.get("serving") or {}).get("results") or []]
-
-
-def generate_records(payload):
-    out = []
-    for r in payload["results"]:
-        v, compiled = r["variant"], r["mode"] == "compiled"
-        a = payload.get("agreement", {}).get(v) or {}
-        breaks = payload.get("graph_breaks", {}).get(v) or {}
-        timed = payload.get("compile", {}).get(f"compiled {v}") or {}
-        record = {"measure": "generate", "mode": r["mode"], "variant": v}
-        for key, median in (("prefill_ms", "prefill_ms"), ("decode_ms", "decode_ms_per_token")):
-            s = r[key] or {}
-            record.update({median: s.get("median"), **{f"{key}_{k}": s.get(k) for k in ("min", "max", "q1", "q3")}})
-        record.update(rounds=(r["decode_ms"] or r["prefill_ms"] or {}).get("n"), decode_vs_hf=r["decode_vs_hf"],
-                      prefill_vs_hf=r["prefill_vs_hf"], tokens_per_s=r["tokens_per_s"],
-                      top1_agree=a.get("top1_agree"), max_abs_logit_diff=a.get("max_abs_diff"),
-                      top1_vs_fp32=a.get("top1_vs_fp32"), max_abs_vs_fp32=a.get("max_abs_vs_fp32"),
-                      graph_breaks=("error" if breaks.get("error") else breaks.get("graph_break_count"))
-                      if compiled else None,
-                      timed_fullgraph=timed.get("fullgraph") if compiled else None)
-        out.append(record)
-    return out
 
 
 def _cell(value, spec=".3f"):
@@ -256,9 +156,6 @@ AGREEMENT_HEADERS = ["variant", "top-1 agree", "max abs dlogit", "logits differi
 AGREEMENT_KEYS = (("top1_agree", ".4f"), ("max_abs_diff", ".3g"), ("logits_differing", ".2%"),
                   ("norm_outputs_differing", ".4%"), ("norm_max_ulps", ".3g"), ("top1_vs_fp32", ".4f"),
                   ("max_abs_vs_fp32", ".3g"))
-GENERATE_HEADERS = ["mode", "variant", "prefill ms", "min-max", "vs hf", "decode ms/token", "min-max", "vs hf",
-                    "tokens/s", "top-1 agree", "max abs dlogit", "top-1 vs fp32", "max abs vs fp32", "graph breaks"]
-BREAKS_FOOTNOTE = "graph breaks *: timed with graph breaks allowed (compiled with fullgraph=False)"
 
 
 def serving_rows(records):
@@ -273,21 +170,11 @@ def agreement_rows(payload):
     return [[name, *(_cell(a.get(k), spec) for k, spec in AGREEMENT_KEYS)] for name, a in found.items()]
 
 
-def generate_rows(records):
-    return [[r["mode"], r["variant"], common.fmt_us(r["prefill_ms"]), _range(r, "prefill_ms"),
-             _cell(r["prefill_vs_hf"]), common.fmt_us(r["decode_ms_per_token"]), _range(r, "decode_ms"),
-             _cell(r["decode_vs_hf"]), _cell(r["tokens_per_s"], ".1f"), _cell(r["top1_agree"], ".4f"),
-             _cell(r["max_abs_logit_diff"], ".3g"), _cell(r["top1_vs_fp32"], ".4f"), _cell(r["max_abs_vs_fp32"], ".3g"),
-             "-" if r["graph_breaks"] is None else f"{r['graph_breaks']}{'*' if r['timed_fullgraph'] is False else ''}"]
-            for r in records]
-
-
 def describe(meta):
     c = meta["config"]
     return (f"{FAMILIES[meta.get('model', 'llama')].title} {c['num_hidden_layers']} layers x {c['hidden_size']} "
             f"(intermediate {c['intermediate_size']}, {c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
-            f"vocab {c['vocab_size']}), {meta['dtype']}, batch {meta['batch']}, prompt {meta['prompt']}, "
-            f"{meta['new_tokens']} new tokens, {meta['repeats']} interleaved rounds")
+            f"vocab {c['vocab_size']}), {meta['dtype']}, {meta['repeats']} interleaved rounds")
 
 
 def floor_line(payload):
@@ -297,7 +184,7 @@ def floor_line(payload):
 
 
 def _report(payload, markdown=False):
-    meta, steps, runs = payload["meta"], serving_records(payload), generate_records(payload)
+    meta, steps = payload["meta"], serving_records(payload)
     sections = []
     if steps:
         sections.append((f"GPU time of a decode step at context {meta['context']} (one CUDA graph replayed "
@@ -306,11 +193,6 @@ def _report(payload, markdown=False):
     if payload.get("agreement"):
         sections.append(("agreement with hf on one teacher-forced forward: logits, and each norm on hf's own input",
                          AGREEMENT_HEADERS, agreement_rows(payload), (0,), floor_line(payload)))
-    if runs:
-        rows = generate_rows(runs)
-        sections.append(("generate, milliseconds (transformers' Python loop included: about 2 ms a token)",
-                         GENERATE_HEADERS, rows, (0, 1),
-                         BREAKS_FOOTNOTE if any(r[-1].endswith("*") for r in rows) else None))
     intro = [describe(meta), "medians and min-max over rounds; vs hf below 1: faster than with HF's norms"]
     return common.render_report(payload, "End to end", intro, sections, markdown) + (
         "" if sections else "\nnothing was measured")
@@ -321,46 +203,10 @@ def format_report(payload):
 
 
 def format_markdown(payload):
-    return _report(payload, markdown=True) if payload["results"] or serving_records(payload) else ""
+    return _report(payload, markdown=True) if serving_records(payload) else ""
 
 
-def csv_records(payload):
-    return serving_records(payload) + generate_records(payload)
-
-
-
-# -- the measuring loop (torch-free: it gets the timing function) --------------------------------------
-def measure_rounds(mode, variants, repeats, new_tokens, time_generate, log, clock=time.perf_counter,
-                   deadline=None):
-    """The interleaved rounds of one mode: per (round, variant) ``time_generate(variant, 1)``
-    then ``time_generate(variant, new_tokens)`` (seconds each). A variant whose call
-    raises drops out of the later rounds; a round that would end past ``deadline`` (a
-    clock value, judged by the last round's length) is not started.
-
-    Returns (timings, errors, notes)."""
-    timings, errors, notes, failed = [], [], [], set()
-    current, round_started = None, None
-    for rnd, variant in interleaved_order(variants, repeats):
-        if rnd != current:
-            now = clock()
-            if deadline is not None and round_started is not None and now + (now - round_started) > deadline:
-                notes.append(f"{mode}: the time budget stopped the rounds after {rnd} of {repeats}")
-                break
-            current, round_started = rnd, now
-        if variant in failed:
-            continue
-        try:
-            for n in (1, new_tokens):
-                seconds = time_generate(variant, n)
-                timings.append({"mode": mode, "variant": variant, "round": rnd, "new_tokens": n,
-                                "seconds": seconds})
-        except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
-            failed.add(variant)
-            timings = [t for t in timings if not (t["variant"] == variant and t["round"] == rnd)]
-            errors.append({"where": f"{mode} {variant} round {rnd}", "error": common.error_text(e)})
-            log(f"error: {mode} {variant}: {common.error_text(e)}")
-    return timings, errors, notes
-
+csv_records = serving_records
 
 
 # -- the model and its variants (torch from here on) ------------------------------------------------------
@@ -445,21 +291,10 @@ def make_variant(name, base, device, family):
     return model, replaced
 
 
-def modeling_fingerprint(family):
-    """{name: identity} of the family's transformers classes, their forwards and functions: a
-    variant's patch must change instances only, or hf would run the patch too."""
-    modeling = importlib.import_module(family.modeling)
-    out = {}
-    for name, obj in vars(modeling).items():
-        if isinstance(obj, type) or callable(obj):
-            out[name] = (id(obj), id(vars(obj).get("forward")) if isinstance(obj, type) else None)
-    return out
-
-
 def token_ids(args, batch, length, offset):
     import torch
     gen = torch.Generator(device=args.device).manual_seed(args.seed + offset)
-    return torch.randint(3, args.vocab, (batch, length), generator=gen, device=args.device)
+    return torch.randint(3, VOCAB, (batch, length), generator=gen, device=args.device)
 
 
 def logits_of(model, ids):
@@ -586,86 +421,6 @@ def agreement_floor(base, ids, reference, exact, calls=None):
     return floor
 
 
-def graph_breaks(model, ids):
-    """Graph breaks of one whole-model forward under Dynamo (no compile). Note that
-    explain resets Dynamo: it must run before anything is compiled."""
-    import torch
-    import torch._dynamo
-    with torch.no_grad():
-        out = torch._dynamo.explain(model)(input_ids=ids, use_cache=False)
-    reasons = list(dict.fromkeys(" ".join(str(r.reason).split())[:300] for r in out.break_reasons))
-    return {"graph_count": out.graph_count, "graph_break_count": out.graph_break_count,
-            "break_reasons": reasons[:10]}
-
-
-def dynamo_counters():
-    """Dynamo's and Inductor's counters, flat ({"stats.unique_graphs": n, ...})."""
-    from torch._dynamo.utils import counters
-    return {f"{cat}.{key}": n for cat, c in counters.items() for key, n in c.items()}
-
-
-def raise_recompile_limits():
-    import torch._dynamo
-    cfg = torch._dynamo.config
-    for names in (("recompile_limit", "cache_size_limit"),
-                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
-        for attr in names:
-            if hasattr(cfg, attr):
-                setattr(cfg, attr, max(getattr(cfg, attr), RECOMPILE_LIMIT))
-                break
-
-
-class TimedGenerate:
-    """Timed ``generate`` calls of every variant in one mode."""
-
-    def __init__(self, args, models, prompt, mode):
-        import torch
-        from transformers import CompileConfig, GenerationConfig
-        self.torch, self.models, self.prompt, self.mode = torch, models, prompt, mode
-        self.sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-        self.kwargs = {"attention_mask": torch.ones_like(prompt), "do_sample": False, "pad_token_id": 0}
-        self.compile_configs = {}
-        if mode == "compiled":
-            self.kwargs["cache_implementation"] = "static"
-            if hasattr(GenerationConfig(), "max_cache_len"):   # T(1) and T(N) share one cache size, one graph
-                self.kwargs["max_cache_len"] = prompt.shape[1] + args.new_tokens
-            for name in models:
-                config = CompileConfig(fullgraph=not args.no_fullgraph)
-                if args.device != "cuda":
-                    config._compile_all_devices = True      # generate compiles on CUDA only, unless told
-                self.compile_configs[name] = config
-
-    def fullgraph(self, variant):
-        config = self.compile_configs.get(variant)
-        return bool(config and config.fullgraph)
-
-    def allow_graph_breaks(self, variant):
-        """Compile ``variant`` again with graph breaks allowed (a new config: a new torch.compile)."""
-        from transformers import CompileConfig
-        old = self.compile_configs[variant]
-        new = CompileConfig(fullgraph=False)
-        new._compile_all_devices = old._compile_all_devices
-        self.compile_configs[variant] = new
-
-    def __call__(self, variant, new_tokens):
-        torch = self.torch
-        kwargs = dict(self.kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        if variant in self.compile_configs:
-            kwargs["compile_config"] = self.compile_configs[variant]
-        # eager: inference_mode, as a server runs; compiled: generate's own no_grad, as
-        # transformers' compile path is used and tested (no inference tensors in the static cache)
-        context = torch.inference_mode() if self.mode == "eager" else torch.no_grad()
-        self.sync()
-        t0 = time.perf_counter()
-        with context:
-            out = self.models[variant].generate(self.prompt, **kwargs)
-        self.sync()
-        seconds = time.perf_counter() - t0
-        if out.shape[1] != self.prompt.shape[1] + new_tokens:
-            raise RuntimeError(f"generated {out.shape[1] - self.prompt.shape[1]} tokens, not {new_tokens}")
-        return seconds
-
-
 log = common.log
 
 
@@ -680,28 +435,23 @@ def run(args):
     device = common.gpu_device() if args.device == "cuda" else {"gpu": "cpu"}
     meta = common.run_metadata(
         "e2e", device, torch_device=args.device, model=args.model, config=model_config(args), dtype=args.dtype,
-        batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats,
-        agree_tokens=args.agree_tokens, agree_batch=args.agree_batch, modes=args.modes,
+        repeats=args.repeats, agree_tokens=args.agree_tokens, agree_batch=AGREE_BATCH,
         variants={v: VARIANT_TITLES[v] for v in args.variants}, step_modes=args.step_modes,
-        compile_variants=args.compile_variants, step_batches=args.step_batches, context=args.context,
-        prefill=args.prefill, replays=args.replays,
-        mode_titles={m: MODE_TITLES[m] for m in args.modes}, fullgraph=not args.no_fullgraph,
+        step_batches=args.step_batches, context=args.context, prefill=args.prefill, replays=args.replays,
         norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s)
-    payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}, "graph_breaks": {},
-               "compile": {}, "timed_counters": {}, "timings": [], "results": []}
+    payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}}
     interrupted = False
     try:
         measure_all(args, payload, elapsed, deadline)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: saving what was measured")
-    summarize_into(args, payload, elapsed)
-    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
+    meta["seconds"] = elapsed()
+    return common.finish_run(sys.modules[__name__], args, payload, interrupted, measured=serving_records(payload))
 
 
 def measure_all(args, payload, elapsed, deadline):
-    """Model, variants, agreement, graph breaks, then each mode's warm-up and rounds,
-    all into ``payload`` (written to disk after each mode)."""
+    """Model, variants, agreement, then the serving measures, all into ``payload``."""
     meta = payload["meta"]
     log(f"e2e on {meta['device']['gpu']}: building the model ...")
     base = build_model(args)
@@ -711,7 +461,6 @@ def measure_all(args, payload, elapsed, deadline):
     family = FAMILIES[args.model]
     models, replaced = {}, {}
     for name in args.variants:
-        before = modeling_fingerprint(family)
         try:
             models[name], replaced[name] = make_variant(name, base, args.device, family)
         except Skipped as e:
@@ -719,17 +468,9 @@ def measure_all(args, payload, elapsed, deadline):
             log(f"skipped: {name}: {e}")
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
             common.record_error(payload, f"patch {name}", e)
-        after = modeling_fingerprint(family)
-        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-        if changed:
-            where = family.modeling.rsplit(".", 1)[-1]
-            payload["errors"].append({"where": f"patch {name}", "error": f"changed transformers' {where} "
-                                      f"({', '.join(changed)}): hf and every variant run that change too"})
-            log(f"error: patch {name} changed transformers' {where}: {', '.join(changed)}")
     meta["replaced_norms"] = replaced
-
     # Agreement: one teacher-forced forward per variant against hf's logits.
-    ids = token_ids(args, args.agree_batch, args.agree_tokens, offset=2)
+    ids = token_ids(args, AGREE_BATCH, args.agree_tokens, offset=2)
     reference = logits_of(models[BASELINE], ids)
     calls = norm_calls(models[BASELINE], ids)
     exact = None
@@ -757,47 +498,13 @@ def measure_all(args, payload, elapsed, deadline):
     blind = payload.get("agreement_floor", {}).get("logits_differing") == 0.0
     if blind:
         payload["notes"].append(f"the agreement check is blind at this size: hf with its mean of squares in "
-                                f"float64 gives hf's logits bit for bit over {args.agree_batch} x {args.agree_tokens} "
+                                f"float64 gives hf's logits bit for bit over {AGREE_BATCH} x {args.agree_tokens} "
                                 f"tokens; the norm outputs' bits (norm outputs differing) still tell variants apart")
     del reference, exact, calls
 
-    if "compiled" in args.modes:   # explain resets Dynamo: before any compile
-        short = ids[:, :EXPLAIN_TOKENS]
-        for name, model in models.items():
-            t0 = time.perf_counter()
-            try:
-                payload["graph_breaks"][name] = graph_breaks(model, short)
-            except Exception as e:  # noqa: BLE001 - reported in the table as "error"
-                payload["graph_breaks"][name] = {"error": common.error_text(e)}
-            payload["graph_breaks"][name]["seconds"] = time.perf_counter() - t0
-            log(f"graph breaks of {name}: {payload['graph_breaks'][name].get('graph_break_count', 'error')}")
-    if "compiled" in args.modes or "compiled" in args.step_modes:
-        raise_recompile_limits()       # the variants share code objects: one Dynamo cache entry each
-
+    if "compiled" in args.step_modes:
+        peers.lift_recompile_limits()       # the variants share code objects: one Dynamo cache entry each
     measure_serving(args, payload, models, elapsed, deadline)
-    common.save_partial(args, payload)
-
-    prompt = token_ids(args, args.batch, args.prompt, offset=3)
-    for mode in args.modes:
-        generate = TimedGenerate(args, models, prompt, mode)
-        ready = warm_up(mode, models, generate, args, payload, elapsed)
-        log(f"{mode}: {args.repeats} rounds of {', '.join(ready)} ...")
-        before = dynamo_counters()
-        timings, errors, notes = measure_rounds(mode, ready, args.repeats, args.new_tokens, generate, log,
-                                                deadline=deadline)
-        timed = counter_delta(before, dynamo_counters())
-        payload["timed_counters"][mode] = timed
-        grew = graph_count_of(timed)
-        if grew:
-            notes.append(f"{mode}: {grew} graphs were compiled during the timed rounds (recompiles): "
-                         f"their times include that")
-        payload["timings"] += timings
-        payload["errors"] += errors
-        payload["notes"] += notes
-        for note in notes:
-            log(f"note: {note}")
-        summarize_into(args, payload, elapsed)
-        common.save_partial(args, payload)     # a later crash keeps this mode's results
 
 
 def measure_serving(args, payload, models, elapsed, deadline):
@@ -809,9 +516,6 @@ def measure_serving(args, payload, models, elapsed, deadline):
         for name, model in models.items():
             key = (measure, mode, batch, name)
             where = " ".join(map(str, key))
-            if mode == "compiled" and args.compile_variants is not None and name not in args.compile_variants:
-                payload["skipped"][f"serving {where}"] = "not in --compile-variants"
-                continue
             if mode == "compiled" and args.device != "cuda":
                 payload["skipped"][f"serving {where}"] = "compiled steps run on CUDA only"
                 continue
@@ -833,69 +537,3 @@ def measure_serving(args, payload, models, elapsed, deadline):
     payload["serving"] = {"samples": samples, "results": serving.summarize(samples)}
     payload["errors"] += errors
     payload["notes"] += notes
-
-
-def warm_up(mode, models, generate, args, payload, elapsed):
-    """Warm every variant up in ``mode``; returns the variants ready to be timed.
-
-    Compiled: the first call compiles (checked in Dynamo's counters). A variant that
-    fails to compile as one graph is compiled again with graph breaks allowed, so it
-    still gets a time (marked as such), after every other variant: a compile with many
-    breaks can take long, and the budget goes to the others first."""
-    ready = [name for name in models if _warm_up_one(mode, name, generate, args, payload, elapsed)]
-    retry = [name for name in models if payload["compile"].get(f"{mode} {name}", {}).get("fullgraph_failed")]
-    for name in retry:
-        generate.allow_graph_breaks(name)
-        if _warm_up_one(mode, name, generate, args, payload, elapsed):
-            ready.append(name)
-    return [name for name in models if name in ready]
-
-
-def is_dynamo_error(e):
-    """Whether ``e`` (or what caused it) is Dynamo's: a graph break under fullgraph=True
-    raises one of torch._dynamo.exc's errors."""
-    while e is not None:
-        if type(e).__module__.startswith("torch._dynamo"):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _warm_up_one(mode, name, generate, args, payload, elapsed):
-    """Three generate calls of one variant; True when it is ready to be timed."""
-    key = f"{mode} {name}"
-    if mode == "compiled" and not fits_budget(elapsed(), COMPILE_ESTIMATE_S, args.budget_s):
-        payload["skipped"][key] = f"the time budget ({args.budget_s:.0f} s) left no room to compile"
-        return False
-    fullgraph = generate.fullgraph(name)
-    log(f"{mode}: warming up {name}" + (" (fullgraph)" if fullgraph else "") + " ...")
-    before, t0 = dynamo_counters(), time.perf_counter()
-    error, graph_break = None, False
-    try:
-        # N first: in compiled mode it compiles and sizes the static cache for T(1) too
-        for n in (args.new_tokens, 1, args.new_tokens):
-            generate(name, n)
-    except Exception as e:  # noqa: BLE001 - reported; the other variants go on
-        error, graph_break = common.error_text(e), is_dynamo_error(e)
-    delta = counter_delta(before, dynamo_counters())
-    payload["compile"][key] = {"warmup_s": time.perf_counter() - t0,
-                               "fullgraph": fullgraph if mode == "compiled" else None,
-                               "graphs": graph_count_of(delta), "counters": delta}
-    if error:
-        retry = fullgraph and graph_break
-        where = f"{key} fullgraph compile" if retry else f"{key} warm-up"
-        payload["errors"].append({"where": where, "error": error})
-        log(f"error: {where}: {error}" + ("; compiling it again with graph breaks allowed, after the others"
-                                           if retry else ""))
-        payload["compile"][key]["fullgraph_failed"] = retry
-        return False
-    if mode == "compiled" and graph_count_of(delta) == 0:
-        payload["errors"].append({"where": key, "error": "generate compiled nothing (transformers' "
-                                  "auto-compile criteria not met?): not timed"})
-        return False
-    return True
-
-
-def summarize_into(args, payload, elapsed):
-    payload["results"] = summarize(payload["timings"], args.new_tokens, args.batch)
-    payload["meta"]["seconds"] = elapsed()

@@ -244,7 +244,7 @@ def library(spec, arch, wrapper=QUANT):
 def main(argv=None):
     p = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
     p.add_argument("wheel", help="a flashinfer_python-*.whl")
-    p.add_argument("--out", default=".flashinfer", help="folder to write include/ to (default: .flashinfer)")
+    p.add_argument("--out", default=".flashinfer", help="folder to write include/ to")
     args = p.parse_args(argv)
     include = headers_from_wheel(args.wheel, args.out)
     print(f"FlashInfer headers in {include}; then: python -m cupy_rmsnorm.bench quant (or qk_rope) "

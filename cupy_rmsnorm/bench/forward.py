@@ -1,13 +1,17 @@
 """``forward`` (the default sub-command): rms_norm and fused_add_rms_norm against their peers
-over a grid of shapes on the current GPU, in three modes; a table per mode, op and dtype, and
-CSV, JSON, Markdown and PNG charts. Also the first-call latency in fresh processes."""
+over a grid of shapes, in three modes; a table per mode, op and dtype. Also the first-call
+latency in fresh processes."""
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
 
-from . import common, forward_report, peers, timing
+from . import common, peers, timing
+from .common import fmt_num, fmt_us, geomean
+from .peers import COPY, DESCRIPTIONS, IMPLS, IN_PLACE, IN_PLACE_PEERS, OP_TITLES, OPS, OURS, PEERS
+from .timing import MODE_TITLES, MODES
 
 SUMMARY = "rms_norm and fused_add_rms_norm against their peers (the default)"
 DEFAULT_REPEATS = {"graph": 10, "cold": 30, "hot": 5}
@@ -27,7 +31,6 @@ QUICK_SHAPES = ((1, 4096), (256, 4096), (4096, 4096), (4096, 4095), (1, 8192))
 DEFAULTS = {"shapes": list(DEFAULT_SHAPES), "dtypes": ["bfloat16", "float16"], "modes": list(timing.MODES)}
 QUICK = {"shapes": list(QUICK_SHAPES), "dtypes": ["bfloat16"]}
 
-DESCRIPTIONS = peers.DESCRIPTIONS
 NEEDS = "CuPy; the torch peers torch with CUDA, liger: " + common.INSTALL_HINTS["liger"]
 
 
@@ -37,7 +40,7 @@ def add_arguments(p):
                               repeats="timing rounds per measurement, every mode (default: graph 10, cold 30, "
                                       "hot 5; --quick: 5, 10, 3)")
     p.add_argument("--ops", type=common.comma_list(str, peers.OPS, "op"), default=list(peers.OPS),
-                   help="ops to measure: rms, fused (default: both)")
+                   help="ops to measure: rms, fused ")
     p.add_argument("--peers", type=_peers, default=list(peers.SELECTABLE),
                    help=f"all, none or a list of {', '.join(peers.SELECTABLE)} (default: all that are "
                         f"installed; 'ours' always runs)")
@@ -70,10 +73,193 @@ def requirements_missing(args):
     return None          # CuPy is all it needs; missing peers are left out with a note
 
 
-format_report = forward_report.format_report
-format_markdown = forward_report.format_markdown
-csv_records = forward_report.csv_records
-write_charts = forward_report.write_charts
+# -- the report: plain records, so it runs without a GPU and --replot redraws a saved run -----------
+FIELDS = ("op", "dtype", "tokens", "hidden", "impl", "mode", "us", "GBps", "pct_copy", "bytes",
+          "calls", "repeats", "max_abs_err")
+PLAN_TEXT_KEYS = (("variant", ""), ("threads_per_row", "g"), ("vecs_per_thread", "nv"),
+                  ("vec", "v"), ("cluster", "c"), ("block", "b"), ("grid", "grid"))
+LARGE_ELEMENTS = 4096 * 4096     # "large shapes": tokens x hidden at least this (far past the L2)
+CHART_MODES = ("graph", "cold")
+
+
+def make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, copy_gbps, calls, repeats,
+                max_abs_err=None, plan=None):
+    """One measurement: ``us`` microseconds per call moving ``nbytes`` logical bytes."""
+    gbps = nbytes / (us * 1e3) if us > 0 else float("inf")
+    if dataclasses.is_dataclass(plan):
+        plan = dataclasses.asdict(plan)
+    return {"op": op, "dtype": dtype, "tokens": tokens, "hidden": hidden, "impl": impl, "mode": mode,
+            "us": us, "GBps": gbps, "pct_copy": 100.0 * gbps / copy_gbps if copy_gbps else None,
+            "bytes": nbytes, "calls": calls, "repeats": repeats, "max_abs_err": max_abs_err,
+            "plan": plan}
+
+
+def plan_text(plan):
+    """A launch plan in a few characters: ``registers g256 nv2 v8 c1 b256 grid4096``
+    (``+edges`` when rows may have a scalar head or tail)."""
+    if not plan:
+        return "-"
+    parts = [f"{prefix}{plan[key]}" for key, prefix in PLAN_TEXT_KEYS if key in plan]
+    if plan.get("edges"):
+        parts.append("+edges")
+    known = {key for key, _ in PLAN_TEXT_KEYS} | {"rows_per_block", "edges"}
+    return " ".join(parts + [f"{k}={v}" for k, v in plan.items() if k not in known])
+
+
+def _order(values, preferred=()):
+    seen = list(dict.fromkeys(values))
+    return [v for v in preferred if v in seen] + [v for v in seen if v not in preferred]
+
+
+def best_peer(by_impl, among=PEERS):
+    """(name, record) of the fastest of ``among`` (never ours) in ``by_impl``, or None."""
+    found = [(r["us"], name) for name, r in by_impl.items() if name not in OURS and name in among]
+    return (min(found)[1], by_impl[min(found)[1]]) if found else None
+
+
+def time_ratio(by_impl, a, b):
+    """``a``'s time over ``b``'s in ``by_impl``, or None where either is missing."""
+    return by_impl[a]["us"] / by_impl[b]["us"] if a in by_impl and b in by_impl else None
+
+
+def section(mode, op, dtype, by_shape):
+    """One table of ``render_report``: per shape our time, GB/s, % of copy bandwidth, our time
+    over each other implementation's and the best peer's, over the copy and the in-place
+    form's, and our launch plan; its notes as the summary."""
+    present = _order(sorted({name for d in by_shape.values() for name in d}), IMPLS)
+    others = [n for n in present if n != "ours" and (n in OURS or n in PEERS)]
+    extra = []   # (header, cell of a shape's {impl: record}): the copy and the in-place form
+    if COPY in present:
+        extra.append(("ours/copy", lambda d: fmt_num(time_ratio(d, "ours", COPY))))
+    if "ours_ip" in present:
+        extra.append(("ip us", lambda d: fmt_us(d["ours_ip"]["us"]) if "ours_ip" in d else "-"))
+        extra += [(f"ip / {n}", lambda d, n=n: fmt_num(time_ratio(d, "ours_ip", n)))
+                  for n in present if n in IN_PLACE_PEERS]
+    headers = ["shape", "ours us", "GB/s", "%copy"] + others + ["vs best peer"] + [h for h, _ in extra] + ["plan"]
+    rows, to_best, to_copy = [], [], []
+    for (tokens, hidden), d in by_shape.items():
+        ours, best = d.get("ours"), best_peer(d)
+        row = [f"{tokens}x{hidden}"]
+        row += [fmt_us(ours["us"]), fmt_num(ours["GBps"], 0), fmt_num(ours["pct_copy"], 1)] if ours else ["-"] * 3
+        row += [fmt_num(time_ratio(d, "ours", n)) for n in others]
+        if ours and best:
+            to_best.append(ours["us"] / best[1]["us"])
+        row.append(f"{to_best[-1]:.2f} {best[0]}" if ours and best else "-")
+        row += [cell(d) for _, cell in extra]
+        copy_ratio = time_ratio(d, "ours", COPY)
+        if copy_ratio is not None and tokens * hidden >= LARGE_ELEMENTS:
+            to_copy.append((copy_ratio, f"{tokens}x{hidden}"))
+        rows.append(row + [plan_text(next((r.get("plan") for r in d.values() if r.get("plan")), None))])
+    notes = ["ratio columns: our time / theirs (below 1: ours is faster)"]
+    if "ours_ip" in present:
+        notes += ["ip: ours in place (out=x, residual_out=residual)"] + [
+            f"{n}: {DESCRIPTIONS[n]}" for n in present if n in IN_PLACE_PEERS]
+    if to_best:
+        notes.append(f"geomean ours / best peer: {geomean(to_best):.3f}; ours at or below the best peer "
+                     f"at {sum(r <= 1.0 for r in to_best)} of {len(to_best)} shapes")
+    if to_copy:
+        worst = max(to_copy)
+        notes.append(f"ours / copy at the {len(to_copy)} large shapes (tokens x hidden >= 4096 x 4096): "
+                     f"geomean {geomean([r for r, _ in to_copy]):.3f}, max {worst[0]:.3f} ({worst[1]})")
+    title = f"{OP_TITLES.get(op, op)}, {dtype}, {MODE_TITLES.get(mode, mode)}"
+    return title, headers, rows, (0, headers.index("vs best peer"), len(headers) - 1), "; ".join(notes)
+
+
+def sections(records):
+    """A section per (mode, op, dtype): modes and ops in the usual order, dtypes and shapes as measured."""
+    out = []
+    for mode in _order([r["mode"] for r in records], MODES):
+        for op in _order([r["op"] for r in records], OPS):
+            for dtype in _order([r["dtype"] for r in records]):
+                by_shape = {}
+                for r in records:
+                    if (r["mode"], r["op"], r["dtype"]) == (mode, op, dtype):
+                        by_shape.setdefault((r["tokens"], r["hidden"]), {})[r["impl"]] = r
+                if by_shape:
+                    out.append(section(mode, op, dtype, by_shape))
+    return out
+
+
+def intro(payload):
+    """The copy bandwidth, then a line per first-call measurement."""
+    meta, lines = payload.get("meta", {}), []
+    if meta.get("copy_GBps"):
+        lines.append(f"copy bandwidth: {meta['copy_GBps']:.0f} GB/s (device-to-device memcpy of "
+                     f"{meta.get('copy_bytes', 0) >> 20} MiB, bytes read + written): the ceiling")
+    for fc in payload.get("first_call") or []:
+        what = f"{OP_TITLES.get(fc.get('op'), fc.get('op'))} {fc.get('tokens')}x{fc.get('hidden')} {fc.get('dtype')}"
+        lines.append(f"first call, {what}: {fc['error']}" if "error" in fc else
+                     f"first call in a fresh process, {what}: empty kernel cache {fc['empty_cache_ms']:.0f} ms, "
+                     f"warm cache {fc['warm_cache_ms']:.1f} ms (second call {fc['second_call_ms']:.2f} ms)")
+    return lines
+
+
+def format_report(payload):
+    return common.render_report(payload, "Forward", intro(payload), sections(payload.get("results", [])))
+
+
+def format_markdown(payload):
+    return common.render_report(payload, "Forward", intro(payload), sections(payload.get("results", [])), True)
+
+
+def csv_records(payload):
+    """The records, the launch plan's fields as plan_* columns."""
+    return [{**{k: v for k, v in r.items() if k != "plan"}, **{f"plan_{k}": v for k, v in (r.get("plan") or {}).items()}}
+            for r in payload["results"]]
+
+
+def chart_impls(impls):
+    """The lines a chart draws from ``impls``, in IMPLS order: the out-of-place ones and the
+    copy of the same bytes (dashed); the in-place form compares with its kind, in the tables."""
+    return [n for n in _order(sorted(impls), IMPLS) if n not in IN_PLACE]
+
+
+def write_charts(payload, stem, modes=CHART_MODES):
+    """GB/s against tokens: one PNG per mode and dtype (``stem_MODE_DTYPE.png``), a row of
+    panels per op, a panel per swept hidden size, a line per implementation, the copy
+    bandwidth as the ceiling. Returns the paths written."""
+    from matplotlib.figure import Figure
+    records, copy_gbps = payload["results"], payload["meta"].get("copy_GBps")
+    paths = []
+    for mode in modes:
+        for dtype in _order([r["dtype"] for r in records if r["mode"] == mode], ()):
+            recs = [r for r in records if r["mode"] == mode and r["dtype"] == dtype]
+            ops = _order([r["op"] for r in recs], OPS)
+            tokens_by_hidden = {}
+            for r in recs:
+                tokens_by_hidden.setdefault(r["hidden"], set()).add(r["tokens"])
+            hiddens = sorted(h for h, ts in tokens_by_hidden.items() if len(ts) >= 2) or sorted(tokens_by_hidden)
+            fig = Figure(figsize=(5.2 * len(hiddens), 3.9 * len(ops)), layout="constrained")
+            axes = fig.subplots(len(ops), len(hiddens), squeeze=False)
+            for i, op in enumerate(ops):
+                for j, hidden in enumerate(hiddens):
+                    ax = axes[i][j]
+                    sel = [r for r in recs if r["op"] == op and r["hidden"] == hidden]
+                    for impl in chart_impls({r["impl"] for r in sel}):
+                        pts = sorted((r["tokens"], r["GBps"]) for r in sel if r["impl"] == impl)
+                        ours = impl in OURS
+                        style = {"linestyle": "--", "color": "gray"} if impl == COPY else {}
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                                linewidth=2.2 if ours else 1.1, zorder=3 if ours else 2,
+                                label="copy of the same bytes" if impl == COPY else impl, **style)
+                    if copy_gbps:
+                        ax.axhline(copy_gbps, linestyle="--", color="black", linewidth=1,
+                                   label=f"copy bandwidth ({copy_gbps:.0f} GB/s)")
+                    ax.set_xscale("log", base=2)
+                    ticks = sorted({r["tokens"] for r in sel})
+                    ax.set_xticks(ticks)
+                    ax.set_xticklabels([str(t) for t in ticks])
+                    ax.minorticks_off()
+                    ax.set_title(f"{OP_TITLES.get(op, op)}, hidden {hidden}", fontsize=10)
+                    ax.set_xlabel("tokens")
+                    ax.set_ylabel("GB/s")
+                    ax.grid(alpha=0.3)
+            axes[0][0].legend(fontsize=7, loc="upper left")
+            fig.suptitle(f"{dtype}, {MODE_TITLES.get(mode, mode)}", fontsize=10)
+            path = f"{stem}_{mode}_{dtype}.png"
+            fig.savefig(path, dpi=110)
+            paths.append(path)
+    return paths
 
 
 def plan_for(op, tokens, hidden, itemsize, sm_count, max_cluster=1):
@@ -128,13 +314,13 @@ def run(args):
         "forward", device, copy_GBps=copy_gbps, copy_GBps_samples=copy_samples, copy_bytes=timing.COPY_BYTES,
         scratch_bytes=timing.SCRATCH_BYTES, ops=args.ops, dtypes=args.dtypes, modes=args.modes,
         shapes=[list(s) for s in args.shapes], repeats=args.repeats, compile_mode=args.compile,
-        implementations={n: peers.DESCRIPTIONS[n] for n in impls}, left_out=missing,
+        implementations={n: DESCRIPTIONS[n] for n in impls}, left_out=missing,
         warmup_seconds=sweep.warmup_s, seconds=time.perf_counter() - started, interrupted=interrupted)
     payload = {"meta": meta, "first_call": first_call, "results": sweep.records, "errors": sweep.errors}
     real_errors = [e for e in sweep.errors if not e.get("skipped")]
     log(f"{len(sweep.records)} measurements, {len(real_errors)} errors, {meta['seconds']:.0f} s (warm-up and "
         "compiles: " + ", ".join(f"{k} {v:.0f} s" for k, v in sweep.warmup_s.items()) + ")")
-    return common.finish_run(forward_report, args, payload, interrupted)
+    return common.finish_run(sys.modules[__name__], args, payload, interrupted)
 
 
 def measure_first_calls(args, log):
@@ -235,7 +421,7 @@ class Sweep:
                                         before_round=getattr(fn, "restore_inputs", None))
                 finally:
                     timer.close()
-                self.records.append(forward_report.make_record(
+                self.records.append(make_record(
                     case.op, case.dtype, case.tokens, case.hidden, name, mode, us, nbytes,
                     self.copy_gbps, calls, args.repeats[mode], mode_err, plan))
             except Exception as e:  # noqa: BLE001

@@ -104,17 +104,17 @@ def add_arguments(p):
     p.add_argument("--heads", type=common.argparse_type(common.parse_shapes), nargs="+", metavar="TxH",
                    help="Gated DeltaNet cases as TOKENSxHEADS (heads of --head-dim channels; x and the gate "
                         f"views into one packed buffer), either side a comma list; default: {TOKENS_TEXT}x32")
-    p.add_argument("--head-dim", type=common.positive_int, default=128, help="channels per head (default: 128)")
+    p.add_argument("--head-dim", type=common.positive_int, default=128, help="channels per head")
     p.add_argument("--group-sizes", type=common.comma_list(parse_group_size, what="group size"),
                    default=list(GROUP_SIZES), help="the whole-row cases' group sizes: none (the row) and "
-                   "channel counts, each where it divides the row (default: none,1024)")
+                   "channel counts, each where it divides the row")
     p.add_argument("--layouts", type=common.comma_list(str.lower, LAYOUTS, "layout"), default=list(LAYOUTS),
-                   help="heads (the --heads cases), rows (the --shapes cases) (default: both)")
+                   help="heads (the --heads cases), rows (the --shapes cases)")
     p.add_argument("--orders", type=common.comma_list(str.lower, ORDERS, "order"), default=["norm-gate"],
                    help="norm-gate: rmsnorm(x) * w * silu(gate) (Qwen3-Next); gate-norm: rmsnorm(x * "
-                        "silu(gate)) * w (Mamba2) (default: norm-gate)")
+                        "silu(gate)) * w (Mamba2)")
     p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
-                   help="passes: fwd, bwd, fwdbwd (default: all three)")
+                   help="passes: fwd, bwd, fwdbwd")
     p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
                    help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
                         "'ours' always runs)")
@@ -163,12 +163,17 @@ def unsupported(impl, case):
     return None
 
 
-def _mamba_takes_group_size():
-    """Whether MambaRMSNormGated takes a group size (transformers 5.24 does, 5.17 not)."""
-    import inspect
+def _mamba_gated_norm():
+    """Mamba2's gated norm class: ``Mamba2RMSNormGated`` from transformers 5.25 on,
+    ``MambaRMSNormGated`` before."""
+    from transformers.models.mamba2 import modeling_mamba2
+    return getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
-    return "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters
+
+def _mamba_takes_group_size():
+    """Whether Mamba2's gated norm takes a group size (transformers 5.24 on does, 5.17 not)."""
+    import inspect
+    return "group_size" in inspect.signature(_mamba_gated_norm().__init__).parameters
 
 
 def availability(names):
@@ -284,10 +289,10 @@ def _module(impl, case):
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
         return Qwen3NextRMSNormGated(case.width, eps=EPS)
     if impl == "hf":
-        from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+        norm = _mamba_gated_norm()
         if _mamba_takes_group_size():
-            return MambaRMSNormGated(case.width, group_size=case.group_size or case.width, eps=EPS)
-        return MambaRMSNormGated(case.width, eps=EPS)
+            return norm(case.width, group_size=case.group_size or case.width, eps=EPS)
+        return norm(case.width, eps=EPS)
     raise ValueError(f"no module for {impl!r}")
 
 
@@ -364,24 +369,12 @@ def build(torch, impl, op, case, inputs):
 def run(args):
     import torch
 
-    from . import timing
     started = time.perf_counter()
-    device = common.gpu_device()
     impls, missing = availability(["ours"] + list(args.peers))
-    runners = {"torch": timing.TorchRunner()}
-    if any(i in CUPY_IMPLS for i in impls):
-        runners["cupy"] = timing.CupyRunner()
-    scratch = timing.Scratch() if "cold" in args.modes else None
-    bandwidth, _ = timing.copy_bandwidth_gbps()
     todo = cases(args)
-    payload = {"meta": common.run_metadata("gated", device, copy_GBps=bandwidth, dtypes=args.dtypes, ops=args.ops,
-                                           modes=args.modes, repeats=args.repeats, target_us=args.target_us,
-                                           tolerance=TOLERANCE, cases=[c._asdict() for c in todo],
-                                           implementations={n: DESCRIPTIONS[n] for n in impls}),
-               "results": [], "errors": [], "skipped": dict(missing)}
-    common.log(f"gated on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; {len(todo)} cases x "
-               f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
-               + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
+    payload, runners, scratch, bandwidth = common.start_run(
+        "gated", args, impls=impls, missing=missing, cupy=any(i in CUPY_IMPLS for i in impls), ops=args.ops,
+        tolerance=TOLERANCE, cases=[c._asdict() for c in todo], implementations={n: DESCRIPTIONS[n] for n in impls})
     measure = functools.partial(measure_case, torch, args, payload, impls, runners, scratch, bandwidth, {})
     return common.run_sweep(sys.modules[__name__], args, payload, started, todo, describe, measure)
 

@@ -100,7 +100,7 @@ def add_arguments(p):
                    help="attention shapes as query heads / key-value heads x head_dim, a comma list "
                         f"(default: {HEADS_TEXT})")
     p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
-                   help="passes: fwd (in place), fwdbwd (forward + backward through autograd) (default: both)")
+                   help="passes: fwd (in place), fwdbwd (forward + backward through autograd) ")
     p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
                    help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
                         "'ours' always runs)")
@@ -428,7 +428,7 @@ def build(torch, impl, op, case, inputs, lib=None):
 def run(args):
     import torch
 
-    from . import flashinfer, timing
+    from . import flashinfer
     started = time.perf_counter()
     device = common.gpu_device()
     impls, missing = availability(["ours"] + list(args.peers))
@@ -439,20 +439,12 @@ def run(args):
         if lib is None:
             impls.remove("flashinfer")
             missing["flashinfer"] = why
-    runner = timing.TorchRunner()
-    scratch = timing.Scratch() if "cold" in args.modes else None
-    bandwidth, _ = timing.copy_bandwidth_gbps()
     todo = cases(args)
-    payload = {"meta": common.run_metadata("qk_rope", device, copy_GBps=bandwidth, dtypes=args.dtypes, ops=args.ops,
-                                           modes=args.modes, repeats=args.repeats, target_us=args.target_us,
-                                           tolerance=TOLERANCE, casting_mode=CASTING, rope_theta=ROPE_THETA,
-                                           max_position=MAX_POSITION, cases=[c._asdict() for c in todo],
-                                           flashinfer=args.flashinfer or "installed flashinfer-python",
-                                           implementations={n: DESCRIPTIONS[n] for n in impls}),
-               "results": [], "errors": [], "skipped": dict(missing)}
-    common.log(f"qk_rope on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s; {len(todo)} cases x "
-               f"{len(args.dtypes)} dtypes; {', '.join(impls)}"
-               + "".join(f"\nnote: {name} left out: {why}" for name, why in missing.items()))
+    payload, runners, scratch, bandwidth = common.start_run(
+        "qk_rope", args, impls=impls, missing=missing, device=device, ops=args.ops, tolerance=TOLERANCE,
+        casting_mode=CASTING, rope_theta=ROPE_THETA, max_position=MAX_POSITION, cases=[c._asdict() for c in todo],
+        flashinfer=args.flashinfer or "installed flashinfer-python", implementations={n: DESCRIPTIONS[n] for n in impls})
+    runner = runners["torch"]
     measure = functools.partial(measure_case, torch, args, payload, impls, runner, scratch, bandwidth, lib, {})
     return common.run_sweep(sys.modules[__name__], args, payload, started, todo, describe, measure)
 

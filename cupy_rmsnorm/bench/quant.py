@@ -24,7 +24,8 @@ SHAPES = ((4096, 4096), (1, 4096), (16384, 8192), (256, 4096), (4096, 7168), (16
           (4096, 8192))
 DEFAULTS = {"shapes": list(SHAPES), "dtypes": ["bfloat16"], "modes": ["graph"], "repeats": 7}
 QUICK = {"shapes": [(1, 4096), (4096, 4096)], "repeats": 3}
-BYTES_NOTE = "bytes: ours (FlashInfer's fused per-group form also writes a bf16 copy: +2 bytes an element)"
+BYTES_NOTE = ("agree: the fraction of q's bytes equal to the eager composite's; bytes: ours (FlashInfer's fused "
+              "per-group form also writes a bf16 copy: +2 bytes an element)")
 NEEDS = f"torch with CUDA; flashinfer: {common.INSTALL_HINTS['flashinfer']}"
 
 
@@ -32,7 +33,7 @@ def add_arguments(p):
     common.add_common_options(p, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16",
                               modes=(MODES, "graph"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
     p.add_argument("--cases", type=common.comma_list(str, CASES, "case"), default=list(CASES),
-                   help=f"a list of {', '.join(CASES)} (default: all)")
+                   help=f"a list of {', '.join(CASES)}")
     p.add_argument("--flashinfer", metavar="PATH",
                    help="FlashInfer's kernels: a built library (.so), a folder of extracted headers "
                         "(python -m cupy_rmsnorm.bench.flashinfer WHEEL), a flashinfer_python wheel, or "
@@ -58,62 +59,34 @@ def moved_bytes(case, rows, hidden, itemsize=2):
 
 
 # -- the report ----------------------------------------------------------------------------------
-HEADERS = ["case", "dtype", "shape", "mode", *IMPLS, "ours / best", "ours / copy", "ours GB/s", "agree"]
+HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "ours GB/s", "agree"]
 CSV_COLUMNS = {**dict.fromkeys(("case", "dtype", "mode", "rows", "hidden", "bytes")), **common.time_columns(IMPLS),
                "agree": ".6f"}
 
 
 def table_rows(results):
-    return [[r["case"], r.get("dtype", "bfloat16"), f"{r['rows']}x{r['hidden']}", r.get("mode", "graph"),
-             *common.timing_cells(r["us"], IMPLS, PEERS),
+    return [[f"{r['rows']}x{r['hidden']}", *common.timing_cells(r["us"], IMPLS, PEERS),
              f"{r['bytes'] / (r['us']['ours'] * 1e3):.0f}" if r["us"].get("ours") else "-",
              "-" if r.get("agree") is None else f"{r['agree']:.5f}"] for r in results]
 
 
-def _summary(results):
-    """Geometric mean of ours / the best peer, and where ours is slower."""
-    ratios = [(r["us"]["ours"] / min(r["us"][i] for i in PEERS if r["us"].get(i)), r) for r in results
-              if r["us"].get("ours") and any(r["us"].get(i) for i in PEERS)]
-    if not ratios:
-        return ""
-    slower = [f"{r['case']} {r['rows']}x{r['hidden']} ({x:.2f})" for x, r in ratios if x > 1]
-    return (f"geomean ours / best peer: {common.geomean([x for x, _ in ratios]):.3f} over {len(ratios)} cases; "
-            f"slower than the best peer: {', '.join(slower) or 'none'}")
-
-
-def _report(payload, markdown=False):
-    meta = payload["meta"]
-    intro = [f"copy bandwidth: {meta.get('copy_GBps', 0):.0f} GB/s"] + (
-        [f"FlashInfer: {meta['flashinfer']}"] if meta.get("flashinfer") else [])
-    section = (f"quantized forms (FP8 e4m3), GPU microseconds per call (medians); {BYTES_NOTE}", HEADERS,
-               table_rows(payload["results"]), (0, 1, 3), _summary(payload["results"]))
-    return common.render_report(payload, "Quantized forms (FP8 e4m3)", intro, [section], markdown)
+REPORT = common.SectionedReport(heading="Quantized forms (FP8 e4m3)", note=BYTES_NOTE, headers=HEADERS, left=(0,),
+                                rows=table_rows, op_titles={c: c for c in CASES}, modes=MODES, peers=PEERS,
+                                op_key="case")
 
 
 def format_report(payload):
-    return _report(payload)
+    return common.sectioned_report(REPORT, payload)
 
 
 def format_markdown(payload):
-    return _report(payload, markdown=True)
+    return common.sectioned_report(REPORT, payload, markdown=True)
 
 
 def write_charts(payload, stem):
     """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per shape, a panel per case."""
-    paths = []
-    impls = [i for i in IMPLS if i != "copy"]
-    results = [r for r in payload["results"] if r["us"].get("copy")]
-    for mode, dtype in common.unique((r.get("mode", "graph"), r.get("dtype", "bfloat16")) for r in results):
-        rows = [r for r in results if (r.get("mode", "graph"), r.get("dtype", "bfloat16")) == (mode, dtype)]
-        groups, labels = [], []
-        for case in [c for c in CASES if any(r["case"] == c for r in rows)]:
-            sel = [r for r in rows if r["case"] == case]
-            groups.append((case, {i: [r["us"][i] / r["us"]["copy"] if r["us"].get(i) else None for r in sel]
-                                  for i in impls}))
-            labels.append([f"{r['rows']}x{r['hidden']}" for r in sel])
-        paths += common.bar_chart(f"{stem}_{mode}_{dtype}.png", f"quantized forms, {dtype}, {mode} mode: time over "
-                                  "a copy of the same bytes", groups, labels, impls)
-    return paths
+    return common.section_charts(REPORT, payload, stem, lambda mode, dtype: f"quantized forms, {dtype}, {mode} mode: "
+                                 "time over a copy of the same bytes", IMPLS[:-1], lambda r: f"{r['rows']}x{r['hidden']}")
 
 
 # -- the implementations -----------------------------------------------------------------------------
@@ -185,24 +158,18 @@ def _check(err):
 def run(args):
     import torch
 
-    from . import flashinfer, timing
+    from . import flashinfer
     started = time.perf_counter()
     torch._dynamo.config.cache_size_limit = 256
     device = common.gpu_device()
     arch = device["compute_capability"].replace(".", "")
     common.log(f"quant on {device['gpu']}: preparing FlashInfer's kernels ...")
     lib, fi_why = flashinfer.library(args.flashinfer, arch)
-    runner = timing.TorchRunner()
-    scratch = timing.Scratch() if "cold" in args.modes else None
-    bandwidth, _ = timing.copy_bandwidth_gbps()
-    payload = {"meta": common.run_metadata("quant", device, copy_GBps=bandwidth, dtypes=args.dtypes,
-                                           shapes=[list(s) for s in args.shapes], cases=args.cases, modes=args.modes,
-                                           repeats=args.repeats, target_us=args.target_us,
-                                           flashinfer=args.flashinfer or "installed flashinfer-python"),
-               "results": [], "errors": [], "skipped": {}}
-    if lib is None:
-        payload["skipped"]["flashinfer"] = fi_why
-    common.log(f"copy bandwidth {bandwidth:.0f} GB/s; flashinfer: {fi_why or 'yes'}")
+    payload, runners, scratch, bandwidth = common.start_run(
+        "quant", args, impls=[i for i in IMPLS if i != "flashinfer" or lib], missing={"flashinfer": fi_why} if lib is None
+        else {}, device=device, shapes=[list(s) for s in args.shapes], cases=args.cases,
+        flashinfer=args.flashinfer or "installed flashinfer-python")
+    runner = runners["torch"]
     def measure(shape, dtype):
         _measure_shape(torch, args, payload, lib, *shape, dtype, runner, scratch, bandwidth)
     return common.run_sweep(sys.modules[__name__], args, payload, started, args.shapes, lambda s: f"{s[0]}x{s[1]}",

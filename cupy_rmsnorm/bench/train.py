@@ -28,8 +28,8 @@ def add_arguments(p):
                                                               "--quick: 512)")
     p.add_argument("--batch", type=common.positive_int, help="sequences per step (default: 8)")
     p.add_argument("--seq", type=common.positive_int, help="tokens per sequence (default: 512; --quick: 256)")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: 3e-4)")
-    p.add_argument("--seed", type=int, default=0, help="weights and tokens (default: 0)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="weights and tokens")
     # "cpu": a tiny run to smoke the harness without a GPU
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
 

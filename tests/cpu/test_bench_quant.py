@@ -52,7 +52,9 @@ def test_report_and_files(tmp_path):
                         "copy_GBps": 4000.0, "flashinfer": ".flashinfer"},
                "results": rows, "errors": [], "skipped": {"flashinfer": "nvcc is not on PATH"}}
     assert quant.table_rows(rows)[0][-2] == f"{7 * n / 30e3:.0f}"        # ours' GB/s
-    assert "per_token 1x4096 (1.25)" in quant.format_report(payload)     # where ours is slower than the best peer
+    text = quant.format_report(payload)
+    assert "fused static, graph mode, bfloat16" in text and "per_token, graph mode, bfloat16" in text
+    assert "geomean ours / best peer: 1.250 over 1 cases" in text           # per_token: 2.0 / 1.6
     common.write_report(quant, payload, str(tmp_path), "q", charts=False)
     with open(tmp_path / "q.csv", newline="") as f:
         got = list(csv.DictReader(f))
