@@ -122,8 +122,11 @@ def full(spec, arrays, args, signature=None):
     """The full path: validate everything, then run (and remember a launch entry)."""
     arrays, options = checked(spec, arrays, args)
     kind, arrays, cacheable = array_kind(arrays, spec.names, spec.anchor)
-    if spec.autograd and kind in (TorchKind, TorchCpuKind) and _interop.autograd_records(arrays):
-        return spec.traced(arrays, options, True)       # the registered op, with its autograd
+    if kind in (TorchKind, TorchCpuKind):
+        if spec.autograd and _interop.autograd_records(arrays):
+            return spec.traced(arrays, options, True)       # the registered op, with its autograd
+        if _interop.dispatches_itself(arrays):     # a DTensor: its dispatch runs the op on each shard
+            return spec.traced(arrays, options, False)
     if kind is TorchCpuKind:     # the reference on NumPy views, tensors back
         views = cpu_views(arrays, spec.names, spec.outputs, spec.anchor)
         call = prepare(NumpyKind, views, spec.names, spec.outputs, False)
