@@ -256,6 +256,19 @@ class TorchKind:
 
 
 
+class _TensorMemory:
+    """A CPU tensor's memory under NumPy's array interface, for a zero-copy view that holds the
+    tensor (its memory lives as long as the view). ``Tensor.numpy()`` would also mark the
+    storage unresizable for good, and FSDP2 frees its unsharded parameters by resizing theirs."""
+    __slots__ = ("tensor", "__array_interface__")
+
+    def __init__(self, t, dtype_name):
+        size = t.element_size()
+        self.tensor = t
+        self.__array_interface__ = dict(version=3, shape=tuple(t.shape), typestr=np.dtype(dtype_name).str,
+                                        strides=tuple(s * size for s in t.stride()), data=(t.data_ptr(), False))
+
+
 class TorchCpuKind:
     """torch CPU tensors: the reference runs on zero-copy NumPy views of them (bfloat16 through
     an int16 view as ml_dtypes.bfloat16), and its results come back as tensors sharing the
@@ -275,8 +288,8 @@ class TorchCpuKind:
         name = str(t.dtype).replace("torch.", "")
         if name in cls._views:
             storage, dtype = cls._views[name]
-            return t.view(getattr(torch, storage)).numpy().view(dtype)
-        return t.numpy()
+            return np.asarray(_TensorMemory(t.view(getattr(torch, storage)), storage)).view(dtype)
+        return np.asarray(_TensorMemory(t, name))
 
     @classmethod
     def tensor(cls, a):
@@ -402,6 +415,13 @@ def autograd_records(arrays):
     """Whether autograd must record a torch call of ``arrays``: grad mode is on and a tensor
     requires grad. _torch_signature writes this out inline."""
     return TorchKind.grad_enabled() and any_requires_grad(arrays)
+
+
+def dispatches_itself(arrays):
+    """Whether a tensor among ``arrays`` is a subclass with its own dispatch (a DTensor, say):
+    it has no memory of its own to read, and runs the registered ops itself."""
+    plain = sys.modules["torch"].Tensor.__torch_dispatch__
+    return any(t is not None and type(t).__torch_dispatch__ is not plain for t in arrays)
 
 
 FORWARD_OUTPUTS = (3, 4)     # out and residual_out among the forward's five arrays

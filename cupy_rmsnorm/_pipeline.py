@@ -122,15 +122,18 @@ def full(spec, arrays, args, signature=None):
     """The full path: validate everything, then run (and remember a launch entry)."""
     arrays, options = checked(spec, arrays, args)
     kind, arrays, cacheable = array_kind(arrays, spec.names, spec.anchor)
-    if spec.autograd and kind in (TorchKind, TorchCpuKind) and _interop.autograd_records(arrays):
-        # the registered op, with its autograd; remembered like an eager call's launcher (the
-        # signature holds whether autograd records, and the checked options are the call's)
-        traced, make = spec.traced, spec.arrays._make
+    if kind in (TorchKind, TorchCpuKind):
+        if spec.autograd and _interop.autograd_records(arrays):
+            # the registered op, with its autograd; remembered like an eager call's launcher (the
+            # signature holds whether autograd records, and the checked options are the call's)
+            traced, make = spec.traced, spec.arrays._make
 
-        def recorded(arrays):
-            return traced(make(arrays), options, True)
-        _cache.remember(signature, recorded)
-        return recorded(arrays)
+            def recorded(arrays):
+                return traced(make(arrays), options, True)
+            _cache.remember(signature, recorded)
+            return recorded(arrays)
+        if _interop.dispatches_itself(arrays):     # a DTensor: its dispatch runs the op on each shard
+            return spec.traced(arrays, options, False)
     if kind is TorchCpuKind:     # the reference on NumPy views, tensors back
         views = cpu_views(arrays, spec.names, spec.outputs, spec.anchor)
         call = prepare(NumpyKind, views, spec.names, spec.outputs, False)

@@ -167,5 +167,10 @@ def _bind_torch():
     RMS_NORM_BACKWARD.traced = traced(rms_norm_backward_op)
     FUSED_ADD_RMS_NORM_BACKWARD.traced = traced(fused_backward_op)
 
+    # DTensor: dx with the rows, dweight a partial sum over the row shards
+    from ..._distributed import PARTIAL, ROWS, shard_rows
+    shard_rows(rms_norm_backward_op, rows=("x", "dy"), outputs=(ROWS, PARTIAL))
+    shard_rows(fused_backward_op, rows=("residual_out", "dy", "d_residual_out"), outputs=(ROWS, PARTIAL))
+
 
 _interop.TorchKind.add_binding(_bind_torch)

@@ -263,5 +263,11 @@ def _bind_torch():
 
     RMS_NORM.traced = FUSED_ADD_RMS_NORM.traced = traced
 
+    # DTensor: rows are independent
+    from ..._distributed import ROWS, shard_rows
+    shard_rows(torch.ops.cupy_rmsnorm.rms_norm, rows=("x",), outputs=(ROWS,))
+    shard_rows(torch.ops.cupy_rmsnorm.fused_add_rms_norm, rows=("x", "residual"), outputs=(ROWS, ROWS))
+    shard_rows(torch.ops.cupy_rmsnorm.fused_add_rms_norm_inplace, rows=("x", "residual"), outputs=())
+
 
 _interop.TorchKind.add_binding(_bind_torch)

@@ -232,5 +232,10 @@ def _bind_torch():
 
     RMS_NORM_GATED.traced, RMS_NORM_GATED_BACKWARD.traced = traced, traced_backward
 
+    # DTensor: rows are independent (groups lie within a row), dweight a partial sum
+    from ..._distributed import PARTIAL, ROWS, shard_rows
+    shard_rows(gated_op, rows=("x", "gate"), outputs=(ROWS,))
+    shard_rows(gated_backward_op, rows=("x", "dy", "gate"), outputs=(ROWS, ROWS, PARTIAL))
+
 
 _interop.TorchKind.add_binding(_bind_torch)

@@ -324,5 +324,13 @@ def _bind_torch():
 
     QK_NORM_ROPE.traced, QK_NORM_ROPE_BACKWARD.traced = traced, traced_backward
 
+    # DTensor: q and k sharded on a token axis (the per-token angles with them) or on the heads
+    from ..._distributed import PARTIAL, ROWS, shard_rows
+    rows, angles = ("q", "k"), dict(cos=1, sin=1, positions=0)     # angles: their axes after the tokens'
+    shard_rows(qk_rope_op, rows=rows, outputs=(ROWS, ROWS), per_token=angles, inner_axes=2)
+    shard_rows(qk_rope_inplace_op, rows=rows, outputs=(), per_token=angles, inner_axes=2)
+    shard_rows(qk_rope_backward_op, rows=rows + ("dq_out", "dk_out"), outputs=(ROWS, ROWS, PARTIAL, PARTIAL),
+               per_token=angles, inner_axes=2)
+
 
 _interop.TorchKind.add_binding(_bind_torch)

@@ -230,5 +230,11 @@ def _bind_torch():
 
     RMS_NORM_QUANT.traced = FUSED_ADD_RMS_NORM_QUANT.traced = traced
 
+    # DTensor: per-token and per-group scales go with the rows (each rank's in its own padded layout)
+    from ..._distributed import ROWS, SCALES, shard_rows
+    shard_rows(quant_op, rows=("x",), outputs=(ROWS, SCALES))
+    shard_rows(fused_quant_op, rows=("x", "residual"), outputs=(ROWS, ROWS, SCALES))
+    shard_rows(fused_quant_inplace_op, rows=("x", "residual"), outputs=(ROWS, SCALES))
+
 
 _interop.TorchKind.add_binding(_bind_torch)
