@@ -19,6 +19,12 @@ ROWS = "rows"          # an array of x's shape (q's and k's for QK norm + RoPE):
 PARTIAL = "partial"    # a weight's gradient: the sum over the shards' rows (replicated when the rows are)
 SCALES = "scales"      # quantized ops' per-token or per-group scales: with the rows; a given static scale replicated
 
+
+def grad_of(name):
+    """The role of the gradient of per-token table ``name``: placed as the table is where the table
+    is split with the rows, else (broadcast over the split axis) the partial sum of the shards'."""
+    return ("grad_of", name)
+
 _DTENSOR = "torch.distributed.tensor"
 _pending = []           # declarations not registered yet: torch.distributed.tensor not imported
 _registered = set()     # the ops with a strategy
@@ -30,7 +36,7 @@ def shard_rows(op, rows, outputs, per_token=None, inner_axes=1):
     Args:
         op: the op (its default overload is registered).
         rows: the names of the tensor arguments of x's shape (sharded alike); the first fixes the axes.
-        outputs: one role per output of the op's schema: ROWS, PARTIAL or SCALES.
+        outputs: one role per output of the op's schema: ROWS, PARTIAL, SCALES or grad_of(table).
         per_token: {name: axes after its token axes} of tables that carry the token axes, broadcast
             against the rows' token axes (transformers' cos / sin: 1, vLLM's positions: 0). Every
             other tensor argument (weights, cos_sin_cache, a static scale) is replicated.
@@ -90,7 +96,12 @@ def _register(op, rows, outputs, per_token, inner_axes):
                 placed[name] = Replicate()
         return placed
 
-    def output_placement(role, row, args):
+    def output_placement(role, row, args, placed):
+        if isinstance(role, tuple):         # grad_of(table)
+            table = placed.get(role[1])
+            if isinstance(table, Shard):
+                return table
+            return Partial() if isinstance(row, Shard) else Replicate()
         if role == PARTIAL:
             return Partial() if isinstance(row, Shard) else Replicate()
         if role == SCALES and args.get("scale") is not None:
@@ -109,7 +120,7 @@ def _register(op, rows, outputs, per_token, inner_axes):
         result = []
         for row in choices:
             placed = row_placements(specs, row)
-            result.append(([output_placement(role, row, bound) for role in outputs],
+            result.append(([output_placement(role, row, bound, placed) for role in outputs],
                            [placed.get(name) for name in bound]))
         return result
 
