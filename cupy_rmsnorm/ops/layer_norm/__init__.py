@@ -444,5 +444,17 @@ def _bind_torch():
     LAYER_NORM_MODULATE_BACKWARD.traced = traced_backward(modulate_backward_op,
                                                           ((3, lambda a: a.weight), (4, lambda a: a.bias)))
 
+    # DTensor: rows sharded alike, parameters replicated, their gradients partial sums
+    from ..._distributed import PARTIAL, ROWS, grad_of, shard_rows
+    tables = {"shift": 1, "scale": 1}
+    shard_rows(layer_norm_op, rows=("x",), outputs=(ROWS,))
+    shard_rows(fused_op, rows=("x", "residual"), outputs=(ROWS, ROWS))
+    shard_rows(fused_inplace_op, rows=("x", "residual"), outputs=())
+    shard_rows(modulate_op, rows=("x",), outputs=(ROWS,), per_token=tables)
+    shard_rows(backward_op, rows=("x", "dy"), outputs=(ROWS, PARTIAL, PARTIAL))
+    shard_rows(fused_backward_op, rows=("residual_out", "dy", "d_residual_out"), outputs=(ROWS, PARTIAL, PARTIAL))
+    shard_rows(modulate_backward_op, rows=("x", "dy"),
+               outputs=(ROWS, grad_of("shift"), grad_of("scale"), PARTIAL, PARTIAL), per_token=tables)
+
 
 _interop.TorchKind.add_binding(_bind_torch)
