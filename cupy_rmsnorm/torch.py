@@ -34,11 +34,12 @@ from ._validate import check_scalars
 from .ops.forward import fused_add_rms_norm, rms_norm
 from .ops.gated import rms_norm_gated
 from .ops.gated.checks import check_gated
+from .ops.layer_norm.module import LayerNorm, patch_layer_norms
 from .ops.qk_rope import qk_norm_rope
 
 TorchKind.bind()   # the library's torch ops, registered before anything is compiled
 
-__all__ = ["RMSNorm", "FusedAddRMSNorm", "RMSNormGated", "patch_hf_rmsnorm"]
+__all__ = ["RMSNorm", "FusedAddRMSNorm", "RMSNormGated", "LayerNorm", "patch_hf_rmsnorm"]
 
 
 class _NormBase(nn.Module):
@@ -486,7 +487,7 @@ def _fuse_qk_rope(model):
     return count
 
 
-def patch_hf_rmsnorm(model, fuse_residual=False, fuse_qk_rope=False):
+def patch_hf_rmsnorm(model, fuse_residual=False, fuse_qk_rope=False, layer_norm=False):
     """Swap the RMSNorm modules of a transformers model for this library's ``RMSNorm``, and its
     gated RMSNorm modules for ``RMSNormGated``.
 
@@ -544,6 +545,8 @@ def patch_hf_rmsnorm(model, fuse_residual=False, fuse_qk_rope=False):
         bfloat16 about a quarter of q's and k's elements differ from HF's by a few units
         (the logits stay within bfloat16's own distance from float32; see
         docs/numerics.md).
+    layer_norm: also swap the model's ``torch.nn.LayerNorm`` modules over one trailing axis
+        (vision towers, audio encoders) for ``LayerNorm``, sharing their Parameters (counted).
 
     Returns:
         The number of modules replaced (0 when the model is already patched); decoder
@@ -575,4 +578,4 @@ def patch_hf_rmsnorm(model, fuse_residual=False, fuse_qk_rope=False):
         _fuse_residuals(model)
     if fuse_qk_rope:
         _fuse_qk_rope(model)
-    return len(replacements)
+    return len(replacements) + (patch_layer_norms(model) if layer_norm else 0)

@@ -220,6 +220,37 @@ def backward_through_autograd(mesh):
         close(dweight, want_dweight, f"rms_norm_backward's dweight on {p}")
 
 
+@check
+def layer_norm_ops(mesh):
+    """LayerNorm on shards: the forward bit for bit; adaLN's (B, 1, D) shift and scale split with
+    the rows on dim 0, replicated on dim 1, their gradients sharded or partial sums accordingly."""
+    x, residual, dy = (seeded(4, 6, 32, seed=s) for s in (0, 1, 4))
+    weight, bias = seeded(32, seed=3), seeded(32, seed=5)
+    shift, scale = seeded(4, 1, 32, seed=6), seeded(4, 1, 32, seed=7)
+    w, b = dt(weight, mesh, Replicate()), dt(bias, mesh, Replicate())
+    for p in ROW_PLACEMENTS:
+        bits_equal(rn.layer_norm(dt(x, mesh, p), w, b), rn.layer_norm(x, weight, bias), f"layer_norm on {p}")
+        got = rn.fused_add_layer_norm(dt(x, mesh, p), dt(residual, mesh, p), w, b)
+        for g, v in zip(got, rn.fused_add_layer_norm(x, residual, weight, bias)):
+            bits_equal(g, v, f"fused_add_layer_norm on {p}")
+        table = Shard(0) if p == Shard(0) else Replicate()
+        got = rn.layer_norm_modulate(dt(x, mesh, p), dt(shift, mesh, table), dt(scale, mesh, table), weight=w, bias=b)
+        bits_equal(got, rn.layer_norm_modulate(x, shift, scale, weight=weight, bias=bias), f"modulate on {p}")
+        if p == Replicate():
+            continue
+        got = rn.layer_norm_modulate_backward(dt(dy, mesh, p), dt(x, mesh, p), dt(shift, mesh, table),
+                                              dt(scale, mesh, table), weight=w, bias=b)
+        want = rn.layer_norm_modulate_backward(dy, x, shift, scale, weight=weight, bias=bias)
+        bits_equal(got[0], want[0], f"modulate dx on {p}")
+        for g, v, name in zip(got[1:], want[1:], ("dshift", "dscale", "dweight", "dbias")):
+            if name in ("dshift", "dscale") and p == Shard(0):
+                assert g.placements == (Shard(0),), (name, g.placements)
+                bits_equal(g, v, f"modulate {name} on {p}")
+            else:
+                assert g.placements[0].is_partial(), (name, g.placements)
+                close(g, v, f"modulate {name} on {p}")
+
+
 # -- models: a 2-layer model of the library's modules, with SequenceParallel norms, and with FSDP2 --
 
 class Block(nn.Module):

@@ -2,4 +2,4 @@
 launchers, reference and torch ops. Importing a family registers its specs with the pipeline
 (``_pipeline.REGISTRY``), in the order below, which is the order of the public API."""
 
-from . import forward, quant, backward, gated, qk_rope  # noqa: F401, I001 - the registration order
+from . import forward, quant, backward, gated, qk_rope, layer_norm  # noqa: F401, I001 - the registration order

@@ -27,12 +27,14 @@ import cupy_rmsnorm.torch  # noqa: E402,F401  (registers the ops)
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed_worker.py")
 CHECKS = ["forward_ops", "in_place_ops", "quant_ops", "qk_norm_rope_forward_and_backward",
-          "backward_through_autograd", "sequence_parallel_model", "fsdp2_model"]
+          "backward_through_autograd", "layer_norm_ops", "sequence_parallel_model", "fsdp2_model"]
 TIMEOUT_S = 120
 OPS = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_inplace", "rms_norm_backward",
        "fused_add_rms_norm_backward", "rms_norm_quant", "fused_add_rms_norm_quant",
        "fused_add_rms_norm_quant_inplace", "rms_norm_gated", "rms_norm_gated_backward", "qk_norm_rope",
-       "qk_norm_rope_inplace", "qk_norm_rope_backward"]
+       "qk_norm_rope_inplace", "qk_norm_rope_backward", "layer_norm", "fused_add_layer_norm",
+       "fused_add_layer_norm_inplace", "layer_norm_modulate", "layer_norm_backward", "fused_add_layer_norm_backward",
+       "layer_norm_modulate_backward"]
 
 
 def free_port():
