@@ -145,7 +145,7 @@ def _load_launch_ex():
 
 
 class KernelLaunch:
-    """One compiled kernel with its (x, y) grid and block size, and the CUlaunchConfig
+    """One compiled kernel with its (x, y[, z]) grid and block size, and the CUlaunchConfig
     that cuLaunchKernelEx reads (with the PDL attribute): built once per plan, so a call
     writes at most the stream into it; ``shared``: dynamic shared memory bytes. Used under the
     owning Launcher's lock.
@@ -161,7 +161,8 @@ class KernelLaunch:
         self._attribute = (ctypes.c_char * _ATTRIBUTE.size)()
         _ATTRIBUTE.pack_into(self._attribute, 0, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
         self._buffer = (ctypes.c_char * _CONFIG.size)()
-        _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], 1, block, 1, 1, shared, 0,
+        gz = grid[2] if len(grid) > 2 else 1
+        _CONFIG.pack_into(self._buffer, 0, grid[0], grid[1], gz, block, 1, 1, shared, 0,
                           ctypes.addressof(self._attribute), 1)
         self.ptr = ctypes.c_void_p(ctypes.addressof(self._buffer))
         self._fn_arg = ctypes.c_void_p(fn_ptr)    # ready-made: ctypes converts no int per call
@@ -211,8 +212,8 @@ def _launch_plain(index, fn_ptr, grid, block, shared, stream, argv_ptr):
         from cupy_backends.cuda.api import driver
         _plain = driver.launchKernel
     try:
-        _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, shared, stream, argv_ptr, 0)
+        _plain(fn_ptr, grid[0], grid[1], grid[2] if len(grid) > 2 else 1, block, 1, 1, shared, stream, argv_ptr, 0)
     except Exception:
         if not ensure_context(index):
             raise
-        _plain(fn_ptr, grid[0], grid[1], 1, block, 1, 1, shared, stream, argv_ptr, 0)
+        _plain(fn_ptr, grid[0], grid[1], grid[2] if len(grid) > 2 else 1, block, 1, 1, shared, stream, argv_ptr, 0)

@@ -438,14 +438,15 @@ def test_requires_grad_goes_through_autograd_and_no_grad_stays_direct():
 
 
 @requires_torch_gpu
-def test_cpu_tensors_are_an_error_pointing_to_cuda():
+def test_cpu_tensors_run_the_reference_and_devices_do_not_mix():
     x, w = torch.randn(4, 64), torch.ones(64)
-    with pytest.raises(ValueError, match=r"\.cuda\(\)"):
-        rn.rms_norm(x, w)
-    with pytest.raises(ValueError, match=r"weight.*\.cuda\(\)"):
+    assert torch.equal(rn.rms_norm(x, w), rn.rms_norm(x.cuda(), w.cuda()).cpu())    # the kernels' bits
+    with pytest.raises(ValueError, match=r"^weight is a torch tensor on cpu; pass tensors of one device"):
         rn.rms_norm(x.cuda(), w)
-    with pytest.raises(ValueError, match=r"out.*\.cuda\(\)"):
+    with pytest.raises(ValueError, match=r"^out is a torch tensor on cpu; pass tensors of one device"):
         rn.rms_norm(x.cuda(), w.cuda(), out=torch.empty(4, 64))
+    with pytest.raises(ValueError, match=r"^weight is a torch tensor on cuda:0, and x is on the CPU"):
+        rn.rms_norm(x, w.cuda())
 
 
 @requires_torch_gpu
@@ -686,11 +687,7 @@ def test_patch_hf_rmsnorm_replaces_with_matching_numerics():
 
 
 @requires_torch_gpu
-def test_patch_hf_rmsnorm_refuses_a_cpu_model():
+def test_patch_hf_rmsnorm_patches_a_cpu_model():
     model = _tiny_model()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")   # refused before any probing
-        with pytest.raises(ValueError, match=r"model\.cuda\(\)"):
-            rnt.patch_hf_rmsnorm(model)
-    assert type(model.norm).__name__ == "LlamaRMSNorm"
-    assert type(model.layers[0].input_layernorm).__name__ == "LlamaRMSNorm"
+    assert rnt.patch_hf_rmsnorm(model) > 0        # CPU tensors run the reference
+    assert isinstance(model.norm, rnt.RMSNorm)

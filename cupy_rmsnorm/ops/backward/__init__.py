@@ -73,12 +73,18 @@ def _check(arrays, eps, weight_offset, casting_mode, weight_grad):
     return check_scalars(eps, weight_offset, casting_mode, arrays.weight is not None), bool(weight_grad)
 
 
+class _Mixed(NamedTuple):
+    """The layout of a mixed-precision backward: the float32 kernels on float32 copies."""
+    dy_dtype: str
+    x_dtype: str
+
+
 def _layout(call, options):
     names = call.arrays._fields
     check_backward_arrays(call.metas, names)
     dy_dtype, x_dtype = call.metas.dy.dtype, call.metas[1].dtype
     if call.kind is not _interop.NumpyKind and dy_dtype != x_dtype:       # mixed precision
-        return call.resolved, ("mixed", dy_dtype, x_dtype), call.copied
+        return call.resolved, _Mixed(dy_dtype, x_dtype), call.copied
     arrays, layout = backward_layout(call.kind, BackwardArrays(*call.resolved), call.metas)
     return arrays, layout, call.copied or layout.copied
 
@@ -98,8 +104,8 @@ def _reference_of(fused):
 
 def _launcher(layout, options, kind):
     scalars, weight_grad = options
-    if isinstance(layout, tuple):
-        launcher = MixedBackward(scalars, kind, *layout[1:])
+    if isinstance(layout, _Mixed):
+        launcher = MixedBackward(scalars, kind, layout.dy_dtype, layout.x_dtype)
     else:
         launcher = BackwardLauncher(layout, scalars, kind)
     entry = functools.partial(launcher.__call__, weight_grad=weight_grad)
