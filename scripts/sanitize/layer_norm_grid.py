@@ -100,7 +100,7 @@ def main():
     torch.cuda.synchronize()
     for line in wrong:
         print("WRONG", line)
-    print(f"layer_norm grid: {len(wrong)} wrong")
+    print(f"layer_norm_grid: {len(wrong)} wrong")
     return 3 if wrong else 0
 
 

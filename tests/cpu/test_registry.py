@@ -83,3 +83,16 @@ def test_a_name_registers_once():
     spec = _pipeline.REGISTRY["rms_norm"]
     with pytest.raises(ValueError, match="registered already"):
         _pipeline.register(spec)
+
+
+def test_every_family_package_is_installed():
+    """pyproject.toml's package list holds every package of the library (an installed wheel
+    without one fails at import)."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml: Python 3.11+")
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    here = os.path.dirname(os.path.abspath(rn.__file__))
+    found = {"cupy_rmsnorm." + os.path.relpath(folder, here).replace(os.sep, ".") if folder != here else "cupy_rmsnorm"
+             for folder, _, files in os.walk(here) if "__init__.py" in files}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
