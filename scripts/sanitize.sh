@@ -7,6 +7,7 @@
 #     SANITIZE_LOG_DIR=dir scripts/sanitize.sh   # keep the full logs there (default: a temp dir)
 #     SANITIZE_GRIDS=backward_grid scripts/sanitize.sh   # some grids only (their names)
 #     SANITIZE_TOOLS="memcheck racecheck" scripts/sanitize.sh     # some tools only
+#     SANITIZE_QUICK=1 scripts/sanitize.sh   # every tool on the grids' --quick form
 #     PYTHON=python3.12 SANITIZER_FLAGS="..." scripts/sanitize.sh
 #
 # racecheck runs the grid with --quick (it instruments every shared-memory access and is
@@ -46,7 +47,7 @@ if [ ! -f "scripts/sanitize/$script.py" ]; then
 fi
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     quick=""
-    [ "$tool" = racecheck ] && quick="--quick"
+    { [ "$tool" = racecheck ] || [ "${SANITIZE_QUICK:-0}" = 1 ]; } && quick="--quick"
     log="$LOG_DIR/$grid_name.$tool.log"
     start=$(date +%s)
     # shellcheck disable=SC2086  # the unquoted ones are flag lists (or nothing) on purpose
