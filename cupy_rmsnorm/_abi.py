@@ -1,7 +1,7 @@
-"""The kernels' ABI, mirrored on the host: the Params structs each kernel takes by value
-(as NumPy record dtypes, packed field for field), the flags and enums, and the C++ names of
-the instantiations NVRTC compiles. The C side is kernels/common.cuh, kernels/quant.cuh,
-kernels/backward.cuh and the programs (kernels/*.cu); a CPU test reads both sides. Eight-byte
+"""The kernels' ABI that several families share, mirrored on the host: the forward's Params
+(kernels/rms_norm.cu; the quantized and gated launchers take it too), the dweight reduction's
+(kernels/backward.cuh), the flags and the weight offset. Each family's own structs and
+instantiation names are in its ``ops/<family>/launch.py``; a CPU test reads both sides. Eight-byte
 fields come first and nothing is padded, so a struct's size is the sum of its fields.
 """
 

@@ -1,17 +1,16 @@
 """The signature cache: what a repeated call reuses, and the plan overrides for sweeps and tests.
 
-A call's signature is everything about it but the arrays' addresses (the op, the kinds,
-shapes, strides, dtypes, devices and scalars; ``_interop.signature``). The first call of a
-signature goes through the full path and leaves its launcher here (``remember``); a later
-call of the same signature finds it (``lookup``, or the forward's inlined copy of it in
-``_call``) and only reads the pointers. Keys of different ops never collide: the forward's
-keys carry ``fused`` (a bool), the others a tag of their own.
+A call's signature is everything about it but the arrays' addresses (the op's spec, the kinds,
+shapes, strides, dtypes, devices and scalars; ``_interop.signature_of``). The first call of a
+signature goes through the full path and leaves its launch entry here (``remember``); a later
+call of the same signature finds it (``lookup``, or its inlined copy in ``_pipeline.call``) and
+only reads the pointers. Keys of different ops never collide: each holds its op's spec.
 """
 
 import contextlib
 
 MAX_ENTRIES = 1024       # past this the cache starts over (a process with that many signatures is rare)
-launches = {}            # signature -> the launcher's entry (never rebound: _call holds launches.get)
+launches = {}            # signature -> the launcher's entry (never rebound: _pipeline holds launches.get)
 last_hit = (None, None)  # (signature, entry) of the latest lookup that found one: compared first
                          # (decode's norms share a signature), which skips the hash; one tuple, so a
                          # thread never reads one call's signature with another's entry

@@ -1,17 +1,14 @@
-"""The launchers: everything about a call that does not depend on its arrays' addresses,
-kept per call signature (``_cache``), and the launch itself.
+"""What the families' launchers share (each family's own are in ``ops/<family>/launch.py``).
 
-A launcher is built from a validated call's layout, scalars and array kind. Calling it
-with the arrays reads their pointers, checks what depends on them (alignment, the vector
-width they allow, overlap of given outputs with what they must keep apart from),
-allocates missing outputs and launches on the caller's stream; whatever those cheap checks
-cannot settle returns ``None``, and the caller takes the full path. ``Launcher`` (rms_norm
-and the fused op) and ``QuantLauncher`` (their quantized forms) share the launch tail
-(``_launch``): the kernel's pointer slots and its Params live in one host buffer per
-launcher, so a repeated call writes its pointers and launches through the driver
-(``_driver``), with no argument packing of CuPy's. ``BackwardLauncher`` launches the
-backward's dx kernel and its dweight reduction. The gated and QK norm + RoPE ops have a launcher
-of each kind too.
+A launcher is built from a validated call's layout, scalars and array kind, and kept per call
+signature (``_cache``). Calling it with the arrays reads their pointers, checks what depends on
+them (alignment, the vector width they allow, overlap of given outputs with what they must keep
+apart from), allocates missing outputs and launches on the caller's stream; whatever those cheap
+checks cannot settle returns ``None``, and the pipeline takes the full path. ``SlotLauncher``:
+the forward launchers' pointer slots and Params in one host buffer, so a repeated call writes its
+pointers and launches through the driver (``_driver``) with no argument packing of CuPy's.
+``GradLauncher``: the backward launchers' device switch, occupancy, and the launch followed by
+the fixed-order reduction of the weights' partial gradients.
 """
 
 import ctypes

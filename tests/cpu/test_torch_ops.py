@@ -113,7 +113,7 @@ def test_modules_trace_as_one_op_each():
 
 def _cpu_llama_with_our_norms(layers=2, hidden=64):
     """A tiny HF Llama on the CPU whose norms are this library's modules (sharing the
-    weights), as patch_hf_rmsnorm leaves them; patch_hf_rmsnorm itself needs a GPU."""
+    weights), as patch_hf_rmsnorm leaves them (built here with fixed numerics, no probing)."""
     model = tiny_llama(layers, hidden, vocab=100, device="cpu", dtype="float32", random_norm_weights=False)
     for name, module in list(model.named_modules()):
         if type(module).__name__ == "LlamaRMSNorm":

@@ -334,7 +334,7 @@ def test_opcheck_on_cpu(dtype):
 
 def swap_norms(model, only=None):
     """Replace the model's Qwen3 RMSNorm modules (``only``: those whose name ends so) by this
-    library's, sharing the weights, as patch_hf_rmsnorm leaves them on a GPU."""
+    library's, sharing the weights, as patch_hf_rmsnorm leaves them (built here with fixed numerics)."""
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RMSNorm") and (only is None or name.endswith(only)):
             new = rnt.RMSNorm(module.weight.shape[0], module.variance_epsilon, casting_mode="llama", device="meta")

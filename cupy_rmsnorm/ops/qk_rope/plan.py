@@ -27,7 +27,7 @@ QK_ROPE_BLOCK = 256              # a forward block takes several tokens while it
 QK_ROPE_EXCHANGE_BLOCK = 256     # blocks exchanging a head through shared memory (pairs 0): at most
 
 
-QK_ROPE_BACKWARD_BLOCK = 256     # the backward's blocks (kernels/qk_norm_rope.cu: kQkBackwardBlock)
+QK_ROPE_BACKWARD_BLOCK = 256     # the backward's blocks (kernels/qk_norm_rope_backward.cu: kQkBackwardBlock)
 
 
 def rope_pairs(rotary_dim, is_neox):
@@ -133,7 +133,7 @@ def qk_rope_plan(tokens, heads, head_dim, rotary_dim, is_neox, vec, *, threads_p
 
 @dataclass(frozen=True)
 class QkRopeBackwardPlan:
-    """How one QK norm + RoPE backward call is launched (kernels/qk_norm_rope.cu).
+    """How one QK norm + RoPE backward call is launched (kernels/qk_norm_rope_backward.cu).
 
     vec, threads_per_head, vecs_per_thread, pairs: as in ``QkRopePlan``. groups: heads in
     flight a block (QK_ROPE_BACKWARD_BLOCK / threads_per_head). The (token, head) items,
