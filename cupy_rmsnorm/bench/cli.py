@@ -9,10 +9,10 @@ import argparse
 import os
 import sys
 
-from . import backward, common, e2e, forward, gated, qk_rope, quant, timing, train
+from . import backward, common, e2e, forward, gated, layer_norm, qk_rope, quant, timing, train
 
 SUBCOMMANDS = {"forward": forward, "backward": backward, "quant": quant, "gated": gated, "qk_rope": qk_rope,
-               "e2e": e2e, "train": train}
+               "layer_norm": layer_norm, "e2e": e2e, "train": train}
 DEFAULT = "forward"
 EXIT_CODES = (f"exit status: {common.EXIT_OK} done; {common.EXIT_ERROR} nothing measured or an error; "
               f"{common.EXIT_USAGE} a bad command line;\n{common.EXIT_NO_GPU} no CUDA GPU (nothing measured: "
