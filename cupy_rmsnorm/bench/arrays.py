@@ -1,9 +1,5 @@
-"""Arrays through their bits: bfloat16 <-> float conversions, the NaN poison, torch views.
-
-Shared by the benchmark and the GPU tests. bfloat16 is converted through its bits (a
-bfloat16 is the top half of a float32) by small elementwise kernels, so inputs and
-references lean on no CuPy bfloat16 arithmetic. CuPy and torch are imported only when a
-function needs them.
+"""Arrays through their bits (bfloat16 <-> float32, so nothing leans on CuPy bfloat16 arithmetic),
+the NaN poison, torch views; shared by the benchmark and the GPU tests.
 """
 
 import functools

@@ -53,19 +53,8 @@ REPORT = common.SectionedReport(heading="Backward", note="", headers=HEADERS, le
                                 op_titles={p: p for p in PHASES}, modes=MODES, peers=PEERS, op_key="phase")
 
 
-def format_report(payload):
-    return common.sectioned_report(REPORT, payload)
-
-
-def format_markdown(payload):
-    return common.sectioned_report(REPORT, payload, markdown=True)
-
-
-def write_charts(payload, stem):
-    """``stem_MODE.png``: each implementation's time over the copy's, per shape and dtype, a panel per phase."""
-    return common.section_charts(REPORT, payload, stem, lambda mode, dtype: f"backward, {mode} mode: time over a "
-                                 "copy of the same bytes", IMPLS[:-1], lambda r: f"{r['rows']}x{r['hidden']}\n{r['dtype']}",
-                                 per_dtype=False)
+format_report, format_markdown, write_charts = common.report_functions(
+    REPORT, "backward", IMPLS[:-1], lambda r: f"{r['rows']}x{r['hidden']}\n{r['dtype']}", per_dtype=False)
 
 
 # -- the run ---------------------------------------------------------------------------------------

@@ -769,3 +769,13 @@ def section_charts(spec, payload, stem, title, impls, label, per_dtype=True):
         paths += bar_chart(f"{stem}_{mode}{f'_{dtype}' if dtype else ''}.png", title(mode, dtype), groups,
                            [[label(r) for r in rows] for rows in panels], impls)
     return paths
+
+
+def report_functions(spec, chart_name, impls, label, per_dtype=True):
+    """``format_report``, ``format_markdown`` and ``write_charts`` of a sectioned report; the charts
+    draw ``impls``, a bar per ``label(record)``."""
+    def title(mode, dtype):
+        return f"{chart_name}{f', {dtype}' if dtype else ''}, {mode} mode: time over a copy of the same bytes"
+    return (lambda payload: sectioned_report(spec, payload),
+            lambda payload: sectioned_report(spec, payload, markdown=True),
+            lambda payload, stem: section_charts(spec, payload, stem, title, impls, label, per_dtype))

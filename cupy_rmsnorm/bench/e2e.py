@@ -20,8 +20,7 @@ from . import common, peers, serving
 SUMMARY = "a whole Llama- or Qwen3-shaped model's decode step and prefill, with HF's, our and Liger's norms"
 
 class Family(NamedTuple):
-    """A transformers model family the benchmark builds: where its classes live, its RMSNorm
-    class, Liger's patch for it, and its MLP size (the real model's at 4096 wide)."""
+    """A transformers model family: its classes, Liger's patch, its MLP size at 4096 wide."""
     title: str
     modeling: str
     config: str
@@ -134,7 +133,7 @@ def fits_budget(elapsed_s, needed_s, budget_s):
     return budget_s is None or elapsed_s + needed_s <= budget_s
 
 
-# -- the report (a saved report's generate records, a measure since dropped, are not shown) ----------
+# -- the report ---------------------------------------------------------------------------------
 def serving_records(payload):
     return [{"measure": r["measure"], "batch": r["batch"], "mode": r["mode"], "variant": r["variant"],
              "us": r["us"]["median"], "us_min": r["us"]["min"], "us_max": r["us"]["max"], "rounds": r["us"]["n"],
@@ -211,9 +210,8 @@ csv_records = serving_records
 
 # -- the model and its variants (torch from here on) ------------------------------------------------------
 def build_model(args):
-    """The random model of the run's family on the device, in the run's dtype (built under it
-    as default dtype, as from_pretrained does: the rotary inv_freq stays float32), norm
-    weights randomized (see NORM_WEIGHT_STD)."""
+    """The random model, built under the run's dtype as default (as from_pretrained: inv_freq stays
+    float32), norm weights randomized (NORM_WEIGHT_STD)."""
     import torch
     family = FAMILIES[args.model]
     modeling = importlib.import_module(family.modeling)
@@ -303,31 +301,9 @@ def logits_of(model, ids):
         return model(input_ids=ids, use_cache=False).logits.float()
 
 
-def top1_agreement(logits, reference):
-    return float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
-
-
-def against_exact(logits, exact):
-    """How far a variant's logits are from the float32 model's: top-1 agreement, max |diff|."""
-    return {"top1_vs_fp32": top1_agreement(logits, exact), "max_abs_vs_fp32": float((logits - exact).abs().max())}
-
-
 def float32_logits(model, ids):
-    """Logits of ``model`` run in float32 (a float32 copy, dropped after): the exact result
-    that every bfloat16 variant approximates."""
-    exact = copy.deepcopy(model).float()
-    try:
-        return logits_of(exact, ids)
-    finally:
-        del exact
-
-
-def agreement(logits, reference):
-    diff = (logits - reference).abs()
-    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "logits_differing": float((logits != reference).float().mean()),
-            "top1_agree": top1_agreement(logits, reference),
-            "reference_max_abs_logit": float(reference.abs().max())}
+    """Logits of a float32 copy of ``model`` (dropped after): what every bfloat16 variant approximates."""
+    return logits_of(copy.deepcopy(model).float(), ids)
 
 
 def is_hf_norm(module):
@@ -335,13 +311,10 @@ def is_hf_norm(module):
 
 
 def norm_calls(model, ids):
-    """[(module path, input, output)] of every HF RMSNorm call in one teacher-forced forward
-    of ``model`` (hf)."""
+    """[(module path, input, output)] of every HF RMSNorm call in one forward of ``model`` (hf)."""
     calls = []
-
-    def record(path):
-        return lambda module, args, out: calls.append((path, args[0].detach(), out.detach()))
-    handles = [m.register_forward_hook(record(path)) for path, m in model.named_modules() if is_hf_norm(m)]
+    handles = [m.register_forward_hook(lambda _, args, out, path=path: calls.append((path, args[0], out)))
+               for path, m in model.named_modules() if is_hf_norm(m)]
     try:
         logits_of(model, ids)
     finally:
@@ -351,38 +324,48 @@ def norm_calls(model, ids):
 
 
 def ulps(values, reference):
-    """|values - reference| in units of the last place of ``reference``'s dtype at each
-    reference value (its smallest normal where the reference is smaller)."""
+    """|values - reference| in units of the last place of ``reference`` (its smallest normal at least)."""
     import torch
     info = torch.finfo(reference.dtype)
     ref = reference.float()
-    magnitude = ref.abs().clamp_min(info.tiny)
-    unit = torch.exp2(torch.floor(torch.log2(magnitude))) * info.eps
+    unit = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(info.tiny)))) * info.eps
     return (values.float() - ref).abs() / unit
 
 
-def norm_agreement(model, calls):
-    """How ``model``'s norm modules differ from hf's on hf's own inputs, call by call (so a
-    difference is the norm's arithmetic, not its propagation through the model): the fraction
-    of output elements whose bits differ, and the largest difference in units of the last
-    place."""
+def agreement(model, ids, reference, calls, exact=None):
+    """``model``'s logits against hf's ``reference`` (and the float32 model's ``exact``), and its norm
+    modules on hf's own inputs (so a difference is the norm's arithmetic, not its propagation):
+    the fraction of output elements whose bits differ and the largest difference in ulps."""
     import torch
-    modules = dict(model.named_modules())
-    differing = total = 0
-    worst = 0.0
+    logits = logits_of(model, ids)
+    diff = (logits - reference).abs()
+    found = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+             "logits_differing": float((logits != reference).float().mean()),
+             "top1_agree": top1(logits, reference), "reference_max_abs_logit": float(reference.abs().max())}
+    modules, differing, worst = dict(model.named_modules()), 0, 0.0
     with torch.inference_mode():
         for path, x, want in calls:
             got = modules[path](x)
             got = (got[0] if isinstance(got, tuple) else got).to(want.dtype)
             differing += int((got != want).sum())
-            total += want.numel()
             worst = max(worst, float(ulps(got, want).max()))
-    return {"norm_outputs_differing": differing / total if total else 0.0, "norm_max_ulps": worst}
+    total = sum(want.numel() for _, _, want in calls)
+    return dict(found, norm_outputs_differing=differing / total if total else 0.0, norm_max_ulps=worst,
+                **vs_float32(logits, exact))
+
+
+def top1(logits, reference):
+    return float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+
+
+def vs_float32(logits, exact):
+    return {} if exact is None else {"top1_vs_fp32": top1(logits, exact),
+                                     "max_abs_vs_fp32": float((logits - exact).abs().max())}
 
 
 def _hf_norm_with_mean_in(mean_dtype, module, hidden_states):
-    """LlamaRMSNorm's (and Qwen3RMSNorm's) forward, op for op, with the mean of squares taken in ``mean_dtype``
-    (then float32): float32 reproduces HF's own bits, float64 rounds the variance once."""
+    """HF's RMSNorm forward, op for op, its mean of squares in ``mean_dtype``: float32 gives HF's bits,
+    float64 rounds the variance once."""
     import torch
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
@@ -394,31 +377,18 @@ def _hf_norm_with_mean_in(mean_dtype, module, hidden_states):
 def with_norm_mean_in(base, mean_dtype):
     """A weight-sharing copy of ``base`` whose HF RMSNorm modules take their mean in ``mean_dtype``."""
     model = shared_weight_copy(base)
-    replaced = 0
-    for m in model.modules():
-        if is_hf_norm(m):
-            m.forward = functools.partial(_hf_norm_with_mean_in, mean_dtype, m)
-            replaced += 1
-    if not replaced:
-        raise RuntimeError("no HF RMSNorm module found")
+    for m in filter(is_hf_norm, model.modules()):
+        m.forward = functools.partial(_hf_norm_with_mean_in, mean_dtype, m)
     return model
 
 
-def agreement_floor(base, ids, reference, exact, calls=None):
-    """The check's floor (module docstring): ``hf`` with its variance rounded once, against
-    ``hf``; ``reimplementation_max_abs_diff`` (the float32-mean copy against ``hf``) is 0
-    when the copy is HF's arithmetic."""
+def agreement_floor(base, ids, reference, calls, exact):
+    """The check's floor: hf with its variance rounded once, against hf; and its float32 twin against
+    hf (``reimplementation_max_abs_diff``, 0 when the copy is HF's arithmetic)."""
     import torch
+    floor = agreement(with_norm_mean_in(base, torch.float64), ids, reference, calls, exact)
     same = logits_of(with_norm_mean_in(base, torch.float32), ids)
-    rounded_once_model = with_norm_mean_in(base, torch.float64)
-    rounded_once = logits_of(rounded_once_model, ids)
-    floor = agreement(rounded_once, reference)
-    if calls is not None:
-        floor.update(norm_agreement(rounded_once_model, calls))
-    if exact is not None:
-        floor.update(against_exact(rounded_once, exact))
-    floor["reimplementation_max_abs_diff"] = float((same - reference).abs().max())
-    return floor
+    return dict(floor, reimplementation_max_abs_diff=float((same - reference).abs().max()))
 
 
 log = common.log
@@ -469,42 +439,38 @@ def measure_all(args, payload, elapsed, deadline):
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
             common.record_error(payload, f"patch {name}", e)
     meta["replaced_norms"] = replaced
-    # Agreement: one teacher-forced forward per variant against hf's logits.
-    ids = token_ids(args, AGREE_BATCH, args.agree_tokens, offset=2)
-    reference = logits_of(models[BASELINE], ids)
-    calls = norm_calls(models[BASELINE], ids)
-    exact = None
-    if args.dtype != "float32":
-        try:
-            exact = float32_logits(base, ids)
-        except Exception as e:  # noqa: BLE001 - a float32 copy may not fit: the run goes on without it
-            payload["notes"].append(f"no agreement with the float32 model: {common.error_text(e)}")
-    if exact is not None:
-        payload["agreement"][BASELINE] = against_exact(reference, exact)
-    for name in [n for n in models if n != BASELINE]:
-        try:
-            logits = logits_of(models[name], ids)
-            payload["agreement"][name] = agreement(logits, reference)
-            payload["agreement"][name].update(norm_agreement(models[name], calls))
-            if exact is not None:
-                payload["agreement"][name].update(against_exact(logits, exact))
-        except Exception as e:  # noqa: BLE001
-            common.record_error(payload, f"agreement {name}", e)
-            del models[name]
-    try:
-        payload["agreement_floor"] = agreement_floor(base, ids, reference, exact, calls)
-    except Exception as e:  # noqa: BLE001 - the floor is context, not a variant
-        common.record_error(payload, "agreement floor", e)
-    blind = payload.get("agreement_floor", {}).get("logits_differing") == 0.0
-    if blind:
-        payload["notes"].append(f"the agreement check is blind at this size: hf with its mean of squares in "
-                                f"float64 gives hf's logits bit for bit over {AGREE_BATCH} x {args.agree_tokens} "
-                                f"tokens; the norm outputs' bits (norm outputs differing) still tell variants apart")
-    del reference, exact, calls
+    check_agreement(args, payload, base, models)
 
     if "compiled" in args.step_modes:
         peers.lift_recompile_limits()       # the variants share code objects: one Dynamo cache entry each
     measure_serving(args, payload, models, elapsed, deadline)
+
+
+def check_agreement(args, payload, base, models):
+    """One teacher-forced forward per variant against hf's logits and norm outputs; a variant
+    that fails it is not timed."""
+    ids = token_ids(args, AGREE_BATCH, args.agree_tokens, offset=2)
+    reference, calls, exact = logits_of(models[BASELINE], ids), norm_calls(models[BASELINE], ids), None
+    if args.dtype != "float32":
+        try:
+            exact = float32_logits(base, ids)
+            payload["agreement"][BASELINE] = vs_float32(reference, exact)
+        except Exception as e:  # noqa: BLE001 - a float32 copy may not fit: the run goes on without it
+            payload["notes"].append(f"no agreement with the float32 model: {common.error_text(e)}")
+    for name in [n for n in models if n != BASELINE]:
+        try:
+            payload["agreement"][name] = agreement(models[name], ids, reference, calls, exact)
+        except Exception as e:  # noqa: BLE001
+            common.record_error(payload, f"agreement {name}", e)
+            del models[name]
+    try:
+        payload["agreement_floor"] = agreement_floor(base, ids, reference, calls, exact)
+    except Exception as e:  # noqa: BLE001 - the floor is context, not a variant
+        common.record_error(payload, "agreement floor", e)
+    if payload.get("agreement_floor", {}).get("logits_differing") == 0.0:
+        payload["notes"].append(f"the agreement check is blind at this size: hf with its mean of squares in "
+                                f"float64 gives hf's logits bit for bit over {AGREE_BATCH} x {args.agree_tokens} "
+                                f"tokens; the norm outputs' bits (norm outputs differing) still tell variants apart")
 
 
 def measure_serving(args, payload, models, elapsed, deadline):

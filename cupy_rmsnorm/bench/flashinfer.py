@@ -1,25 +1,9 @@
-"""FlashInfer's kernels for the quant and qk_rope sub-commands: the headers they need, taken
-from a flashinfer-python wheel or installed package, built with nvcc behind the ``extern "C"``
-entry points of a small wrapper (``flashinfer_quant.cu``: the quantized RMSNorm kernels;
-``flashinfer_rope.cu``: the in-place rotary embedding from positions and a cos / sin cache),
-loaded with ctypes.
+"""FlashInfer's RMSNorm-quant and rope kernels for quant and qk_rope: their headers taken from a
+flashinfer-python wheel or package (norm.cuh trimmed before its TensorRT-LLM LayerNorm code), built
+with nvcc behind the ``extern "C"`` wrappers flashinfer_*.cu and loaded with ctypes.
 
-FlashInfer's ``include/flashinfer/norm.cuh`` holds the RMSNorm kernels (``RMSNormQuant``,
-``FusedAddRMSNormQuant``, ``FusedAddRMSNormFP8BlockQuant``) and, after them, LayerNorm code
-from TensorRT-LLM whose headers want cuBLAS and cuRAND. ``norm_rms.cuh`` is norm.cuh up to
-that LayerNorm code (the RMSNorm kernels verbatim), without the TensorRT-LLM includes and
-using-directive. ``pos_enc.cuh`` holds ``BatchQKApplyRotaryPosIdsCosSinCache``. With them come
-the headers they include, followed include by include (under 400 KB in all), and the CUDA C++
-library (libcudacxx) that FlashInfer ships and builds against ahead of the toolkit's own
-(``fastdiv.cuh``, which pos_enc.cuh includes, wants its ``cuda::fast_mod_div``, newer than
-CUDA 13.0's; about 11 MB).
-
-Where the GPU machine cannot download, extract the headers where it can and carry the folder:
-
-    pip download flashinfer-python --no-deps -d /tmp/fi
-    python -m cupy_rmsnorm.bench.flashinfer /tmp/fi/flashinfer_python-*.whl    # -> .flashinfer/
-    python -m cupy_rmsnorm.bench quant --flashinfer .flashinfer                 # on the GPU machine
-    python -m cupy_rmsnorm.bench qk_rope --flashinfer .flashinfer
+Offline GPU machine: ``python -m cupy_rmsnorm.bench.flashinfer WHEEL`` writes .flashinfer/, then
+``--flashinfer .flashinfer``.
 """
 
 import argparse
@@ -36,8 +20,7 @@ import tempfile
 import zipfile
 from typing import NamedTuple
 
-# The headers the wrappers include; the rest of what is extracted is their #include closure.
-# norm.cuh is written trimmed, as norm_rms.cuh (and its includes are followed from the trimmed text).
+# The wrappers' headers; the rest extracted is their #include closure.
 ROOTS = ("norm.cuh", "pos_enc.cuh")
 TRIMMED = {"norm.cuh": "norm_rms.cuh"}
 WHEEL_PREFIX = "flashinfer/data/include/flashinfer/"
@@ -49,9 +32,7 @@ QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
 class Wrapper(NamedTuple):
-    """One ``extern "C"`` wrapper: its source, the library it builds into, the header of the
-    extracted folder it needs (to tell a folder prepared for it), and its entry points:
-    {name: (ctypes result type, argument types or None for ctypes' defaults)}."""
+    """One ``extern "C"`` wrapper: source, library, the header it needs, {entry point: (restype, argtypes)}."""
     source: str
     library: str
     header: str
@@ -83,9 +64,8 @@ def quoted_includes(text):
 
 
 def header_closure(read, roots=ROOTS):
-    """{name: text} of ``roots`` and every FlashInfer header they include, include by include
-    (``read(name)``: the bytes of include/flashinfer/NAME); norm.cuh trimmed (``trimmed_norm``)
-    under the name norm_rms.cuh."""
+    """{name: text} of ``roots`` and the FlashInfer headers they include (``read(name)``: the bytes of
+    include/flashinfer/NAME); norm.cuh trimmed, as norm_rms.cuh."""
     texts, todo = {}, list(roots)
     while todo:
         name = todo.pop(0)
@@ -103,8 +83,7 @@ def header_closure(read, roots=ROOTS):
 
 
 def _write_if_changed(path, data):
-    """``data`` (bytes) into ``path`` unless it holds them already: an unchanged header keeps its
-    time, so a library built from it is not rebuilt."""
+    """``data`` into ``path`` unless already there: an unchanged header keeps its mtime (no rebuild)."""
     try:
         with open(path, "rb") as f:
             if f.read() == data:
@@ -117,10 +96,8 @@ def _write_if_changed(path, data):
 
 
 def write_headers(read, version, out, cccl=()):
-    """``header_closure(read)`` into ``out/include/flashinfer`` (``read(name)``: the bytes of one
-    header of FlashInfer's include/flashinfer), ``out/include/VERSION``, and ``cccl`` ((path
-    relative to libcudacxx's include folder, a function returning its bytes) pairs) into
-    ``out/cccl``. Returns the include folder."""
+    """``header_closure(read)`` and VERSION into ``out/include``, ``cccl`` ((relative path, reader)
+    pairs) into ``out/cccl``; returns the include folder."""
     include = os.path.join(out, "include")
     for name, text in header_closure(read).items():
         _write_if_changed(os.path.join(include, "flashinfer", name), text.encode("utf-8", "surrogateescape"))
@@ -141,16 +118,14 @@ def headers_from_wheel(wheel, out):
 
 
 def _folder_files(folder):
-    """(path relative to ``folder`` with / separators, a function returning its bytes) of every file
-    under it."""
+    """(relative path with / separators, reader) of every file under ``folder``."""
     return [(os.path.relpath(os.path.join(root, n), folder).replace(os.sep, "/"),
              functools.partial(_read, os.path.join(root, n)))
             for root, _, files in os.walk(folder) for n in files]
 
 
 def installed_package():
-    """(the folder of the installed flashinfer package, with data/include/flashinfer, its
-    version), or None."""
+    """(the installed flashinfer package's folder, its version), or None."""
     spec = importlib.util.find_spec("flashinfer")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -176,9 +151,8 @@ def find_nvcc():
 
 
 def build(include, out_dir, arch, wrapper=QUANT):
-    """``wrapper``'s source built against ``include`` (and FlashInfer's libcudacxx in the ``cccl``
-    folder beside it, first, where it was extracted) for sm_``arch`` into ``out_dir`` (reused when
-    there already, newer than its inputs); the library's path. Raises RuntimeError without nvcc."""
+    """``wrapper`` built for sm_``arch`` against ``include`` (and ``cccl`` beside it) into ``out_dir``,
+    reused while newer than its inputs; the library's path. RuntimeError without nvcc."""
     lib = os.path.join(out_dir, f"sm{arch}", wrapper.library)
     inputs = [wrapper.source] + glob.glob(os.path.join(include, "flashinfer", "*"))
     if os.path.isfile(lib) and os.path.getmtime(lib) >= max(os.path.getmtime(p) for p in inputs):
@@ -208,10 +182,8 @@ def load(path, wrapper=QUANT):
 
 
 def library(spec, arch, wrapper=QUANT):
-    """(the loaded library, None) or (None, why not) for ``--flashinfer``'s ``spec``: a built
-    library (.so) of ``wrapper``, a folder of extracted headers (with include/flashinfer/ and the
-    wrapper's header), a flashinfer_python wheel, None for the installed flashinfer-python, or
-    "none"."""
+    """(library, None) or (None, why not) for ``--flashinfer``: a .so, a folder of extracted headers,
+    a wheel, None (the installed package) or "none"."""
     if spec == "none":
         return None, "--flashinfer none"
     try:

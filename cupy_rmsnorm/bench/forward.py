@@ -1,6 +1,5 @@
-"""``forward`` (the default sub-command): rms_norm and fused_add_rms_norm against their peers
-over a grid of shapes, in three modes; a table per mode, op and dtype. Also the first-call
-latency in fresh processes."""
+"""``forward`` (the default sub-command): rms_norm and fused_add_rms_norm against their peers over a
+grid of shapes in three modes, and the first-call latency in fresh processes."""
 
 import contextlib
 import dataclasses
@@ -20,8 +19,7 @@ CALL_LIMITS = {"graph": (20, 200), "hot": (10, 100)}          # (min, max) calls
 QUICK_CALL_LIMITS = {"graph": (10, 100), "hot": (5, 50)}
 FIRST_CALL_SHAPE = (4096, 4096)
 
-# The default grid: a token sweep at the two common hidden sizes, the
-# smaller and odd hidden sizes at 4096 tokens, and two model widths at 256 tokens.
+# A token sweep at two common hidden sizes, small and odd ones at 4096 tokens, two widths at 256.
 DEFAULT_SHAPES = tuple(sorted(
     {(t, h) for h in (4096, 8192) for t in (1, 32, 256, 1024, 4096, 16384)}
     | {(4096, h) for h in (512, 1024, 2048, 255, 4095)}
@@ -41,7 +39,7 @@ def add_arguments(p):
                                       "hot 5; --quick: 5, 10, 3)")
     p.add_argument("--ops", type=common.comma_list(str, peers.OPS, "op"), default=list(peers.OPS),
                    help="ops to measure: rms, fused ")
-    p.add_argument("--peers", type=_peers, default=list(peers.SELECTABLE),
+    p.add_argument("--peers", type=common.selection(peers.SELECTABLE, "peer"), default=list(peers.SELECTABLE),
                    help=f"all, none or a list of {', '.join(peers.SELECTABLE)} (default: all that are "
                         f"installed; 'ours' always runs)")
     p.add_argument("--compile", choices=peers.COMPILE_MODES, default="tokens",
@@ -50,15 +48,6 @@ def add_arguments(p):
                         "shape (slower to warm up)")
     p.add_argument("--no-first-call", action="store_true",
                    help="skip the first-call latency measurement (fresh processes)")
-
-
-def _peers(text):
-    key = text.strip().lower()
-    if key == "all":
-        return list(peers.SELECTABLE)
-    if key == "none":
-        return []
-    return common.comma_list(str, peers.SELECTABLE, "peer")(text)
 
 
 def finish_args(args, parser):
@@ -95,8 +84,7 @@ def make_record(op, dtype, tokens, hidden, impl, mode, us, nbytes, copy_gbps, ca
 
 
 def plan_text(plan):
-    """A launch plan in a few characters: ``registers g256 nv2 v8 c1 b256 grid4096``
-    (``+edges`` when rows may have a scalar head or tail)."""
+    """A launch plan in a few characters: ``registers g256 nv2 v8 c1 b256 grid4096 [+edges]``."""
     if not plan:
         return "-"
     parts = [f"{prefix}{plan[key]}" for key, prefix in PLAN_TEXT_KEYS if key in plan]
@@ -123,9 +111,8 @@ def time_ratio(by_impl, a, b):
 
 
 def section(mode, op, dtype, by_shape):
-    """One table of ``render_report``: per shape our time, GB/s, % of copy bandwidth, our time
-    over each other implementation's and the best peer's, over the copy and the in-place
-    form's, and our launch plan; its notes as the summary."""
+    """One table of ``render_report``: per shape our time, GB/s, % of copy, our time over the others',
+    the best peer's, the copy's and the in-place form's, and our launch plan."""
     present = _order(sorted({name for d in by_shape.values() for name in d}), IMPLS)
     others = [n for n in present if n != "ours" and (n in OURS or n in PEERS)]
     extra = []   # (header, cell of a shape's {impl: record}): the copy and the in-place form
@@ -209,15 +196,12 @@ def csv_records(payload):
 
 
 def chart_impls(impls):
-    """The lines a chart draws from ``impls``, in IMPLS order: the out-of-place ones and the
-    copy of the same bytes (dashed); the in-place form compares with its kind, in the tables."""
+    """The out-of-place implementations and the copy, in IMPLS order (in-place ones: tables only)."""
     return [n for n in _order(sorted(impls), IMPLS) if n not in IN_PLACE]
 
 
 def write_charts(payload, stem, modes=CHART_MODES):
-    """GB/s against tokens: one PNG per mode and dtype (``stem_MODE_DTYPE.png``), a row of
-    panels per op, a panel per swept hidden size, a line per implementation, the copy
-    bandwidth as the ceiling. Returns the paths written."""
+    """GB/s against tokens, ``stem_MODE_DTYPE.png``: a row per op, a panel per swept hidden size."""
     from matplotlib.figure import Figure
     records, copy_gbps = payload["results"], payload["meta"].get("copy_GBps")
     paths = []
@@ -263,8 +247,7 @@ def write_charts(payload, stem, modes=CHART_MODES):
 
 
 def plan_for(op, tokens, hidden, itemsize, sm_count, max_cluster=1):
-    """Our launch plan for a contiguous problem (16-byte vectors, as the pool's aligned
-    allocations allow; rows off the vector grid when hidden is not a multiple)."""
+    """Our launch plan for a contiguous problem (16-byte vectors: the pool's allocations are aligned)."""
     import cupy_rmsnorm as rn
     vec = 16 // itemsize
     return rn.launch_plan(tokens, hidden, itemsize, vec, sm_count, op == "fused",
@@ -273,8 +256,7 @@ def plan_for(op, tokens, hidden, itemsize, sm_count, max_cluster=1):
 
 # -- the run -------------------------------------------------------------------------------------
 def run(args):
-    """Measure what ``args`` asks for: the device and its copy bandwidth, the implementations
-    present, first-call latency, the sweep; then the report written and printed."""
+    """Copy bandwidth, first-call latency, the sweep; then the report written and printed."""
     started = time.perf_counter()
     bar = None
 
@@ -337,11 +319,8 @@ def measure_first_calls(args, log):
 
 
 class Sweep:
-    """Every (op, dtype, shape) x implementation x mode of one run.
-
-    Results go to ``records``, failures to ``errors`` (one failing peer never ends the
-    run), warm-up and compile seconds per implementation to ``warmup_s``.
-    """
+    """Every (op, dtype, shape) x implementation x mode of one run, into ``records``, ``errors`` and
+    ``warmup_s`` (warm-up and compile seconds per implementation)."""
 
     def __init__(self, args, sm_count, max_cluster, copy_gbps, impls, bar, log):
         self.args, self.sm_count, self.copy_gbps, self.impls = args, sm_count, copy_gbps, impls
@@ -377,8 +356,7 @@ class Sweep:
             self.log(f"error: {where}: {text}")
 
     def measure(self, case, name):
-        """Warm-up (and correctness check: ``peers.warm_up_and_check``), then each mode, of
-        one implementation."""
+        """One implementation: warm-up and check (``peers.warm_up_and_check``), then each mode."""
         args, bar = self.args, self.bar
         itemsize = common.ITEMSIZE[case.dtype]
         nbytes = peers.logical_bytes(case.op, case.tokens, case.hidden, itemsize)

@@ -36,16 +36,13 @@ DEFAULTS = {"heads": list(HEADS), "shapes": list(SHAPES), "dtypes": ["bfloat16"]
             "repeats": 7}
 QUICK = {"heads": [(1, 32), (4096, 32)], "shapes": [(1, 4096), (4096, 4096)], "repeats": 3}
 DESCRIPTIONS = {
-    "ours": "cupy_rmsnorm on torch tensors: rms_norm_gated, rms_norm_gated_backward; autograd through "
-            "cupy_rmsnorm.torch.RMSNormGated for forward + backward",
-    "ours_cupy": "the same functions on CuPy views of the same memory (forward + backward: the two calls)",
-    "fla": "flash-linear-attention's FusedRMSNormGated (Triton): norm-gate, no group size; copies strided "
-           "inputs to contiguous",
-    "fla_grouped": "flash-linear-attention's RMSNormGated (the Mamba2 kernel, Triton): group size, both "
-                   "orders; copies strided inputs to contiguous",
+    "ours": "cupy_rmsnorm on torch tensors (autograd via cupy_rmsnorm.torch.RMSNormGated for fwd + bwd)",
+    "ours_cupy": "the same functions on CuPy views of the same memory",
+    "fla": "FLA's FusedRMSNormGated (Triton): norm-gate, no group size",
+    "fla_grouped": "FLA's RMSNormGated (Mamba2's Triton kernel): group size, both orders",
     "torch.compile": "the Hugging Face formula under torch.compile(fullgraph=True, dynamic=False)",
-    "hf": "transformers' Qwen3NextRMSNormGated (norm-gate) / Mamba2's MambaRMSNormGated (gate-norm), eager",
-    "copy": "a device copy of the pass's bytes (x, gate, y; backward x, gate, dy, dx, dgate): the floor",
+    "hf": "transformers' Qwen3NextRMSNormGated / MambaRMSNormGated, eager",
+    "copy": "a device copy of the pass's bytes: the floor",
 }
 NOTE = ("TxHxD: x and the gate (T, H, D) views into one packed (T, 2*H*D) buffer, each head normalized; "
         "TxW: whole rows, group: channels normalized together; err: max |theirs - ours| / max |ours|")
@@ -54,9 +51,8 @@ NEEDS = (f"torch with CUDA; fla, fla_grouped: {common.INSTALL_HINTS['fla']}; hf:
 
 
 class Case(NamedTuple):
-    """One problem: ``layout`` "heads" (x and the gate (tokens, heads, width) views into one
-    packed buffer, each head normalized) or "rows" ((tokens, width), heads 1); ``width``: the
-    normalized axis, the weight's length."""
+    """One problem: ``layout`` "heads" ((tokens, heads, width) views into one packed buffer) or
+    "rows" ((tokens, width), heads 1); ``width``: the normalized axis."""
     layout: str
     tokens: int
     heads: int
@@ -209,19 +205,8 @@ REPORT = common.SectionedReport(heading="Gated RMSNorm", note=NOTE, headers=HEAD
                                 op_titles=OP_TITLES, modes=MODES, peers=PEERS)
 
 
-def format_report(payload):
-    return common.sectioned_report(REPORT, payload)
-
-
-def format_markdown(payload):
-    return common.sectioned_report(REPORT, payload, markdown=True)
-
-
-def write_charts(payload, stem):
-    """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per case, a panel per pass."""
-    return common.section_charts(
-        REPORT, payload, stem, lambda mode, dtype: f"gated RMSNorm, {dtype}, {mode} mode: time over a copy of "
-        "the same bytes", [i for i in IMPLS if i != "copy"], lambda r: describe(case_of(r)).replace(" ", "\n", 1))
+format_report, format_markdown, write_charts = common.report_functions(
+    REPORT, "gated RMSNorm", IMPLS[:-1], lambda r: describe(case_of(r)).replace(" ", "\n", 1))
 
 
 # -- the inputs and the implementations ------------------------------------------------------------

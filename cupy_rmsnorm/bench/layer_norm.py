@@ -36,16 +36,13 @@ QUICK = {"shapes": [(32, 1152), (4096, 4096)], "repeats": 3}
 HINTS = {"liger": common.INSTALL_HINTS["liger"], "quack": "pip install quack-kernels",
          "flashinfer": "pip install flashinfer-python"}
 DESCRIPTIONS = {
-    "ours": "cupy_rmsnorm on torch tensors: layer_norm, layer_norm_backward, fused_add_layer_norm, "
-            "layer_norm_modulate; autograd through cupy_rmsnorm.torch.LayerNorm for forward + backward",
-    "F.layer_norm": "torch.nn.functional.layer_norm, eager (fused: x + residual first; modulate: "
-                    "F.layer_norm(x) * (1 + scale) + shift)",
-    "torch.compile": "the F.layer_norm composite of each pass under torch.compile(fullgraph=True, dynamic=False)",
-    "liger": "Liger-Kernel's LigerLayerNormFunction (Triton): forward and backward",
-    "quack": "quack's layernorm (CuTe DSL): forward, float32 weight (and bias where it takes one; "
-             "where not, checked against ours without a bias)",
+    "ours": "cupy_rmsnorm on torch tensors (autograd via cupy_rmsnorm.torch.LayerNorm for fwd + bwd)",
+    "F.layer_norm": "torch.nn.functional.layer_norm, eager (fused, modulate: composed around it)",
+    "torch.compile": "the F.layer_norm composite under torch.compile(fullgraph=True, dynamic=False)",
+    "liger": "Liger-Kernel's LigerLayerNormFunction (Triton)",
+    "quack": "quack's layernorm (CuTe DSL): forward, float32 weight",
     "flashinfer": "flashinfer.norm.layernorm: forward, bfloat16 x, float32 weight and bias",
-    "copy": "a device copy of the pass's bytes (x-sized arrays read and written): the floor",
+    "copy": "a device copy of the pass's bytes: the floor",
 }
 NOTE = "TxD: tokens x hidden; modulate: shift and scale (1, D); err: max |theirs - ours| / max |ours|"
 NEEDS = (f"torch with CUDA; liger: {HINTS['liger']}; quack: {HINTS['quack']}; flashinfer: {HINTS['flashinfer']}")
@@ -130,19 +127,8 @@ REPORT = common.SectionedReport(heading="LayerNorm", note=NOTE, headers=HEADERS,
                                 op_titles=OP_TITLES, modes=MODES, peers=PEERS)
 
 
-def format_report(payload):
-    return common.sectioned_report(REPORT, payload)
-
-
-def format_markdown(payload):
-    return common.sectioned_report(REPORT, payload, markdown=True)
-
-
-def write_charts(payload, stem):
-    """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per shape, a panel per pass."""
-    return common.section_charts(
-        REPORT, payload, stem, lambda mode, dtype: f"LayerNorm, {dtype}, {mode} mode: time over a copy of the "
-        "same bytes", [i for i in IMPLS if i != "copy"], lambda r: f"{r['tokens']}x{r['hidden']}")
+format_report, format_markdown, write_charts = common.report_functions(
+    REPORT, "LayerNorm", IMPLS[:-1], lambda r: f"{r['tokens']}x{r['hidden']}")
 
 
 # -- the inputs and the implementations ------------------------------------------------------------

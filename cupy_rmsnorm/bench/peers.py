@@ -1,13 +1,5 @@
-"""The implementations the forward report compares: ours and the peers, on the inputs of
-one ``Case`` (op, dtype, tokens, hidden).
-
-Each implementation becomes a zero-argument callable, run by the CuPy or the torch runner
-of ``timing``. The torch tensors are zero-copy views of the CuPy inputs, so every
-implementation reads the very same memory, but for the in-place ones (they overwrite their
-inputs, so they get copies of their own) and the copy of the same bytes (its own buffers).
-torch, Triton and Liger-Kernel are optional: what is missing is reported, with how to
-install it, and left out.
-"""
+"""The forward report's implementations, each a zero-argument callable on one ``Case``'s inputs
+(torch tensors are views of the CuPy inputs, so all read the same memory)."""
 
 import functools
 import importlib.util
@@ -15,8 +7,6 @@ import importlib.util
 import numpy as np
 
 from . import common
-# bfloat16 goes through its bits, so the inputs and the reference lean on no CuPy
-# bfloat16 arithmetic; only the "cupy" peer does.
 from .arrays import from_float32, poison, to_cupy, to_float32, to_torch
 
 EPS = 1e-6
@@ -37,23 +27,16 @@ RUNNER_KIND = {"ours": "cupy", "cupy": "cupy", "ours_torch": "torch", "torch_eag
 NEEDS_TRITON = ("torch_compile", "liger", "liger_ip")
 NEEDS_LIGER = ("liger", "liger_ip")
 DESCRIPTIONS = {
-    "ours": "cupy_rmsnorm on CuPy arrays, outputs preallocated (out=, residual_out=)",
-    "ours_torch": "cupy_rmsnorm on torch tensors, outputs allocated per call (as F.rms_norm does)",
-    "cupy": "ordinary CuPy calls: astype float32, mean of squares, rsqrt, multiply, astype back, "
-            "times weight (fused: x + residual first)",
-    "torch_eager": "HF LlamaRMSNorm-style eager torch (fused: x + residual first)",
-    "F.rms_norm": "torch.nn.functional.rms_norm (fused: x + residual, then F.rms_norm)",
-    "torch_compile": "the torch_eager function under torch.compile(fullgraph=True); --compile tokens: "
-                     "token axis dynamic, hidden static (as a server compiles); static: one compile "
-                     "per shape",
-    "liger": "Liger-Kernel LigerRMSNormFunction / LigerFusedAddRMSNormFunction, llama casting",
-    "ours_ip": "fused only: cupy_rmsnorm in place on CuPy arrays (out=x, residual_out=residual, as "
-               "vLLM's), on copies of the inputs of its own, restored before each timing round",
-    "liger_ip": "fused only: LigerFusedAddRMSNormFunction with in_place=True, llama casting; that flag "
-                "makes only Liger's backward in place (dy reused for dx): its forward still writes "
-                "new y and residual tensors",
-    "copy": "a device-to-device cudaMemcpyAsync of the op's logical bytes (half read, half written), "
-            "in the same mode: the floor of a memory-bound op",
+    "ours": "cupy_rmsnorm on CuPy arrays, outputs preallocated",
+    "ours_torch": "cupy_rmsnorm on torch tensors, outputs allocated per call",
+    "cupy": "plain CuPy: float32 mean of squares, rsqrt, casts as HF's",
+    "torch_eager": "HF LlamaRMSNorm-style eager torch",
+    "F.rms_norm": "torch.nn.functional.rms_norm",
+    "torch_compile": "torch_eager under torch.compile(fullgraph=True), --compile tokens or static",
+    "liger": "Liger-Kernel's RMSNorm functions, llama casting",
+    "ours_ip": "fused only: ours in place (out=x, residual_out=residual), inputs restored per round",
+    "liger_ip": "fused only: Liger with in_place=True (only its backward is in place)",
+    "copy": "a device copy of the op's bytes: the floor of a memory-bound op",
 }
 
 
@@ -65,8 +48,7 @@ class Unsupported(Exception):
 
 
 def logical_bytes(op, tokens, hidden, itemsize, weight_itemsize=None):
-    """Bytes one call must move at least: rms reads x and writes y; fused reads x and
-    residual and writes residual_out and y; both read the weight once."""
+    """Bytes one call must move: rms x and y, fused x, residual, residual_out and y; the weight once."""
     per_array = tokens * hidden * itemsize
     arrays = 2 if op == "rms" else 4
     return arrays * per_array + hidden * (weight_itemsize or itemsize)
@@ -82,8 +64,7 @@ def liger_missing():
 
 
 def availability(names):
-    """(the names that can run, in IMPLS order; {name: why not, with how to install it} for
-    the others)."""
+    """(the names that can run, in IMPLS order; {name: why not, with how to install it})."""
     available, missing = [], {}
     for name in IMPLS:
         if name not in names:
@@ -104,8 +85,7 @@ def availability(names):
 
 # -- the inputs of one measurement -------------------------------------------------------------
 class Case:
-    """Random inputs of one (op, dtype, tokens, hidden) on the current GPU, shared by
-    every implementation, with our preallocated outputs and a float32 reference."""
+    """Random inputs of one (op, dtype, tokens, hidden), our outputs and a float32 reference."""
 
     def __init__(self, op, dtype, tokens, hidden, seed=0):
         import cupy
@@ -135,8 +115,7 @@ class Case:
         return self._torch
 
     def reference(self):
-        """float32 result of the op (no final rounding): the sum x + residual is rounded
-        to the dtype first, as the numerics contract says."""
+        """float32 result of the op, x + residual rounded to the dtype first (the numerics contract)."""
         if self._reference is None:
             import cupy
             import cupyx
@@ -148,8 +127,7 @@ class Case:
         return self._reference
 
     def max_abs_err(self, result):
-        """Largest |result - reference| of the normalized output (a sanity check that
-        what was timed computes the op; llama casting rounds twice, so a few ulp)."""
+        """Largest |result - reference| of the normalized output: what was timed computes the op."""
         import cupy
         y = result[0] if isinstance(result, tuple) else result
         if not isinstance(y, cupy.ndarray):
@@ -178,8 +156,7 @@ class Case:
             dst.data.copy_from_device_async(src.data, src.nbytes)
 
     def copy_buffers(self):
-        """(source, destination) byte buffers of half the op's logical bytes each: one copy
-        reads and writes what one call of the op moves. Made on first use."""
+        """(source, destination) buffers of half the op's logical bytes each, made on first use."""
         if self._copy_buffers is None:
             import cupy
             nbytes = logical_bytes(self.op, self.tokens, self.hidden, self.x.itemsize) // 2
@@ -234,8 +211,7 @@ def _torch_functions():
 
 
 def lift_recompile_limits():
-    """Lift Dynamo's per-function recompile limit (8 by default) past a benchmark's grid,
-    else fullgraph=True fails on the ninth shape."""
+    """Lift Dynamo's recompile limit (8) past a grid, else fullgraph=True fails on the ninth shape."""
     import torch._dynamo
     cfg = torch._dynamo.config
     for names in (("recompile_limit", "cache_size_limit"),
@@ -248,14 +224,8 @@ def lift_recompile_limits():
 
 @functools.lru_cache(maxsize=None)
 def _compiled_functions(mode):
-    """torch.compile(fullgraph=True) of the eager functions (one mode per process: the
-    compiled variants of a function share Dynamo's cache).
-
-    ``"tokens"``: the token axis is marked dynamic (see ``build``) and nothing else
-    becomes dynamic, so there is one compile per hidden size and dtype (plus the
-    one-token case, which Dynamo specializes), as a server compiles its model.
-    ``"static"``: one compile per shape and dtype.
-    """
+    """torch.compile(fullgraph=True) of the eager functions, one mode per process. ``"tokens"``: the
+    token axis dynamic, one compile per hidden and dtype, as a server compiles; ``"static"``: per shape."""
     import torch
     import torch._dynamo
     if mode not in COMPILE_MODES:
@@ -296,11 +266,8 @@ def _liger_functions(op):
 
 
 def _in_place(case, make):
-    """An implementation that overwrites its inputs; ``make(x, residual)``: a zero-argument
-    callable on arrays it may overwrite. Timed on copies of the case's inputs of its own (the
-    case's stay as they are, for the others and the reference), restored before each timing
-    round: repeated calls drift (the residual accumulates y; float16 overflows within a
-    few thousand calls). Checked by one call on other fresh copies."""
+    """An implementation that overwrites its inputs (``make(x, residual)`` -> callable), timed on
+    copies restored before each round, since repeated calls drift (float16 overflows)."""
     x, residual = case.fresh_inputs()
     fn = make(x, residual)
 
@@ -337,20 +304,15 @@ def _copy(case):
 
 
 def warm_up_and_check(case, fn, run):
-    """Warm ``fn`` up and check what it computes: the largest error of its output against the
-    case's reference, or None where its output is not the op's (copy). ``run(callable,
-    calls=<warm-up calls>)`` runs a callable on the runner's stream, returns its last result.
-    An implementation with a check of its own (in place, copy) carries it as ``fn.check``."""
+    """Warm ``fn`` up and return its largest error against the reference (None for the copy);
+    ``run(callable, calls)`` runs on the runner's stream. ``fn.check``, where set, replaces this."""
     own = getattr(fn, "check", None)
     return own(run) if own is not None else case.max_abs_err(run(fn))
 
 
 def build(name, case, compile_mode="tokens"):
-    """A zero-argument callable running one call of ``name`` on ``case``'s inputs.
-    It returns the output (rms) or (output, residual_out) (fused).
-
-    Some carry what the sweep must do otherwise: ``fn.check(run)``, their own warm-up and
-    check (``warm_up_and_check``); ``fn.restore_inputs()``, run before each timing round."""
+    """A zero-argument callable of ``name`` on ``case``'s inputs, returning y or (y, residual_out); it may
+    carry ``fn.check(run)`` and ``fn.restore_inputs()`` (run before each timing round)."""
     import cupy_rmsnorm as rn
     fused = case.op == "fused"
     if name in IN_PLACE and not fused:

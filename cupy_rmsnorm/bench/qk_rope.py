@@ -36,18 +36,12 @@ DEFAULTS = {"tokens": list(TOKENS), "heads": list(HEADS), "dtypes": ["bfloat16"]
             "repeats": 7}
 QUICK = {"tokens": [1, 4096], "repeats": 3}
 DESCRIPTIONS = {
-    "ours": "cupy_rmsnorm.qk_norm_rope on torch tensors: in place (out_q=q, out_k=k) from positions and a "
-            "cos_sin_cache; autograd through the registered op for forward + backward",
-    "ours_unfused": "cupy_rmsnorm.rms_norm on the q and k views (in place), then torch.compile of transformers' "
-                    "apply_rotary_pos_emb written back into the views",
-    "torch_compile": "transformers' Qwen3 composite (Qwen3RMSNorm's formula, apply_rotary_pos_emb) under "
-                     "torch.compile(fullgraph=True, dynamic=False), copied into the views in the compiled function",
-    "liger": "Liger-Kernel's LigerRMSNormFunction (llama casting; copies the strided views to contiguous, writes "
-             "new tensors), then LigerRopeFunction on them as (1, H, T, D), in place",
-    "flashinfer": "cupy_rmsnorm.rms_norm on the views in place, then FlashInfer's "
-                  "BatchQKApplyRotaryPosIdsCosSinCache in place (built with nvcc); forward only",
-    "copy": "a device copy of the pass's bytes (q and k read and written; fwd + bwd also the output gradients, "
-            "dq and dk): the floor",
+    "ours": "cupy_rmsnorm.qk_norm_rope on torch tensors, in place (autograd via the registered op)",
+    "ours_unfused": "cupy_rmsnorm.rms_norm on the q and k views, then compiled apply_rotary_pos_emb",
+    "torch_compile": "transformers' Qwen3 norm and rotation under torch.compile(fullgraph=True, dynamic=False)",
+    "liger": "Liger's LigerRMSNormFunction, then LigerRopeFunction in place",
+    "flashinfer": "rms_norm in place, then FlashInfer's BatchQKApplyRotaryPosIdsCosSinCache (nvcc-built); fwd only",
+    "copy": "a device copy of the pass's bytes: the floor",
 }
 HEADS_TEXT = ", ".join(f"{q}/{k}x{d} ({name})" for (q, k, d), name in MODELS.items())
 NOTE = ("TxHQ/HKxD: q (T, HQ, D) and k (T, HK, D) views into one packed (T, (HQ + 2*HK) * D) projection, "
@@ -141,9 +135,8 @@ def unsupported(impl, op, dtype_name):
 
 
 def availability(names):
-    """(the implementations of ``names`` that can run, in IMPLS order; {name: why not, with how to
-    install it} for the others). FlashInfer's library is built at the start of a run (it needs the
-    GPU's architecture): ``run`` adds why not, where it cannot be."""
+    """(the implementations of ``names`` that can run, in IMPLS order; {name: why not}); FlashInfer's
+    build needs the GPU's architecture, so ``run`` checks it."""
     missing = {}
     for name in names:
         why = None
@@ -173,19 +166,8 @@ REPORT = common.SectionedReport(heading="QK norm + RoPE", note=NOTE, headers=HEA
                                 op_titles=OP_TITLES, modes=MODES, peers=PEERS)
 
 
-def format_report(payload):
-    return common.sectioned_report(REPORT, payload)
-
-
-def format_markdown(payload):
-    return common.sectioned_report(REPORT, payload, markdown=True)
-
-
-def write_charts(payload, stem):
-    """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per case, a panel per pass."""
-    return common.section_charts(
-        REPORT, payload, stem, lambda mode, dtype: f"QK norm + RoPE, {dtype}, {mode} mode: time over a copy of the "
-        "same bytes", [i for i in IMPLS if i != "copy"], lambda r: describe(case_of(r)).replace("x", "\n", 1))
+format_report, format_markdown, write_charts = common.report_functions(
+    REPORT, "QK norm + RoPE", IMPLS[:-1], lambda r: describe(case_of(r)).replace("x", "\n", 1))
 
 
 # -- the inputs and the reference -------------------------------------------------------------------
@@ -205,9 +187,8 @@ def cos_sin_cache(torch, head_dim, device):
 
 
 def make_inputs(torch, case, dtype, device="cuda", seed=0):
-    """The packed projection, the two weights (around one), the angles in both conventions
-    (positions and the float32 cache; transformers' (T, D) cos and sin in ``dtype``, and in float32
-    for the reference), and the output gradients of the backward."""
+    """The packed projection, the weights, the angles (positions and cache; transformers' cos and sin
+    in ``dtype`` and float32) and the backward's output gradients."""
     gen = torch.Generator(device=device).manual_seed(seed)
     t, hq, hk, d = case
 
@@ -245,9 +226,8 @@ def reference(torch, case, inputs, op):
 # -- the implementations ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def hf_functions():
-    """transformers' Qwen3 functions as written there (Qwen3RMSNorm.forward, rotate_half,
-    apply_rotary_pos_emb), on q and k of (T, H, D) with cos and sin of (T, D) (unsqueeze_dim=1
-    broadcasts them over the heads), and the composites the peers compile."""
+    """transformers' Qwen3 norm and rotation as written there, on (T, H, D) with cos and sin (T, D),
+    and the composites the peers compile."""
     import torch
 
     def rms_norm(x, weight, eps=EPS):
@@ -351,9 +331,8 @@ def torch_compile_differentiable(torch, inputs):
 
 
 def liger_differentiable(torch, inputs):
-    """Liger's norm on each view (it copies a strided input to contiguous and writes a new tensor), then
-    its rope on both as (1, H, T, D): it turns them back to (1, T, H, D), contiguous, and rotates them
-    in place. The outputs are returned as (T, H, D) views of those tensors."""
+    """Liger's norm on each view (new contiguous tensors), then its rope on both in place, as
+    (1, H, T, D); returned as (T, H, D) views."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.rope import LigerRopeFunction
     cos, sin = inputs["cos"], inputs["sin"]
@@ -409,9 +388,8 @@ DIFFERENTIABLE = {"ours": ours_differentiable, "ours_unfused": ours_unfused_diff
 
 
 def build(torch, impl, op, case, inputs, lib=None):
-    """One call of ``impl``'s pass ``op`` on ``case``'s inputs as a zero-argument callable, returning
-    (q_out, k_out) (fwd) or (dq, dk, dq_weight, dk_weight) (fwdbwd). The forward works on a copy of
-    the packed projection of its own (the inputs stay as made, for the others and the reference)."""
+    """One call of ``impl``'s pass ``op`` as a zero-argument callable, returning (q_out, k_out) or
+    (dq, dk, dq_weight, dk_weight); the forward works on its own copy of the packed projection."""
     if impl == "copy":
         return common.device_copy(torch, moved_bytes(op, case, inputs["packed"].element_size()))
     if op == "fwd":

@@ -75,18 +75,8 @@ REPORT = common.SectionedReport(heading="Quantized forms (FP8 e4m3)", note=BYTES
                                 op_key="case")
 
 
-def format_report(payload):
-    return common.sectioned_report(REPORT, payload)
-
-
-def format_markdown(payload):
-    return common.sectioned_report(REPORT, payload, markdown=True)
-
-
-def write_charts(payload, stem):
-    """``stem_MODE_DTYPE.png``: each implementation's time over the copy's, per shape, a panel per case."""
-    return common.section_charts(REPORT, payload, stem, lambda mode, dtype: f"quantized forms, {dtype}, {mode} mode: "
-                                 "time over a copy of the same bytes", IMPLS[:-1], lambda r: f"{r['rows']}x{r['hidden']}")
+format_report, format_markdown, write_charts = common.report_functions(
+    REPORT, "quantized forms", IMPLS[:-1], lambda r: f"{r['rows']}x{r['hidden']}")
 
 
 # -- the implementations -----------------------------------------------------------------------------

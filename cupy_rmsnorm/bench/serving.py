@@ -1,24 +1,8 @@
-"""The whole model as a serving engine runs it, timed on the GPU: the ``e2e`` report's
-primary measures (``generate``'s time per token, with its ~2 ms of Python per token, is the
-secondary one).
-
-- ``decode``: one decode step, one token per sequence at position ``context`` of a static KV
-  cache, captured once in a CUDA graph (after a warm-up on a side stream, where a compiled
-  variant compiles) and replayed; the GPU time per step is CUDA events around ``replays``
-  replays. Each step first sets the cache's write position back to ``context`` (that reset is
-  captured with it), so every replay does the same work and writes the same cache slot.
-- ``prefill``: one forward over ``prefill`` tokens of one sequence, no cache, eager, timed
-  with CUDA events.
-
-A variant runs in ``eager`` form (the module tree as patched) or ``compiled`` form
-(``torch.compile(model.forward, fullgraph=True, dynamic=False)``, captured the same way).
-Measures of all variants are interleaved round by round (A B C A B C ...) and reported as
-median and min-max over rounds. On a CPU (the harness's smoke test) the step runs without a
-graph and is timed with the host clock.
-
-Which cache keyword the installed transformers takes (``cache`` or ``past_key_values``),
-whether it takes ``cache_position`` and how StaticCache is built are read from the
-signatures, so one code path serves the transformers versions in use.
+"""The e2e report's serving measures: a decode step at position ``context`` of a static KV cache,
+captured in a CUDA graph (the cache position reset captured with it, so every replay does the same
+work), and an eager prefill; each in eager or compiled form, the variants interleaved round by round.
+On a CPU (the smoke test) there is no graph and the host clock times. The transformers API in use
+(cache keyword, ``cache_position``, StaticCache's keywords) is read from signatures.
 """
 
 import inspect
@@ -42,8 +26,7 @@ def cache_keyword(model):
 
 
 def static_cache(model, batch, length):
-    """A StaticCache of ``length`` positions for ``batch`` sequences, with the keywords this
-    transformers' StaticCache takes."""
+    """A StaticCache of ``length`` positions for ``batch`` sequences (the keywords this version takes)."""
     from transformers import StaticCache
     kwargs = {"config": model.config, "max_cache_len": length}
     optional = {"max_batch_size": batch, "batch_size": batch, "device": model.device, "dtype": model.dtype}
@@ -52,9 +35,7 @@ def static_cache(model, batch, length):
 
 
 def rewind(cache, position):
-    """Set the cache's write position back to ``position`` where it keeps one on the device
-    (a tensor per layer that each update advances); where the position comes from
-    ``cache_position`` instead there is nothing to do."""
+    """Set a device-side write position (a tensor per layer) back to ``position``, where the cache has one."""
     import torch
     for layer in getattr(cache, "layers", ()):
         length = getattr(layer, "cumulative_length", None)
@@ -63,9 +44,8 @@ def rewind(cache, position):
 
 
 class DecodeStep:
-    """One decode step of ``model`` (``batch`` sequences, one token each, at position
-    ``context`` of a static cache), as a callable; ``capture()`` records it in a CUDA graph
-    and ``time_us(replays)`` times the replays."""
+    """One decode step (``batch`` sequences at position ``context``), as a callable; ``capture()``
+    records it in a CUDA graph, ``time_us(replays)`` times the replays."""
 
     def __init__(self, model, batch, context, compiled=False):
         import torch
@@ -133,8 +113,7 @@ class Prefill:
 
 
 def time_us(call, replays, torch, cuda=True):
-    """Microseconds per call after one untimed call: GPU time from CUDA events around
-    ``replays`` calls, or (``cuda=False``) the host clock's."""
+    """Microseconds per call after one untimed call: CUDA events around ``replays`` calls, or the host clock."""
     call()
     if not cuda:
         import time
@@ -153,15 +132,13 @@ def time_us(call, replays, torch, cuda=True):
 
 # -- what is measured, and the summary (torch-free) ---------------------------------------------------
 def measures(step_modes, batches, prefill):
-    """[(measure, mode, batch)] of a run: the decode step per step mode and batch, then the
-    prefill (eager; its GEMMs dwarf launch costs, so a graph would change nothing)."""
+    """[(measure, mode, batch)]: decode per step mode and batch, then the prefill (eager: GEMMs dwarf launches)."""
     out = [("decode", mode, b) for mode in step_modes for b in batches]
     return out + ([("prefill", "eager", 1)] if prefill else [])
 
 
 def interleaved_rounds(timers, repeats, log, deadline=None, clock=None):
-    """Rounds over ``timers`` ({(measure, mode, batch, variant): fn() -> us}), every timer once
-    a round; a timer that raises drops out (reported). Returns (samples, errors, notes)."""
+    """Rounds over ``timers`` ({key: fn() -> us}); a timer that raises drops out. (samples, errors, notes)."""
     import time
     clock = clock or time.perf_counter
     samples, errors, notes, failed = [], [], [], set()
@@ -185,9 +162,7 @@ def interleaved_rounds(timers, repeats, log, deadline=None, clock=None):
 
 
 def summarize(samples, baselines=("hf",)):
-    """One row per (measure, mode, batch, variant): the spread of microseconds over rounds and
-    the median's ratio to each baseline of the same measure and batch (``hf`` in the same
-    mode, and ``hf`` compiled)."""
+    """A row per (measure, mode, batch, variant): the spread over rounds, its median over hf's (same mode, compiled)."""
     by_key = {}
     for s in samples:
         by_key.setdefault(tuple(s["key"]), []).append(s["us"])

@@ -310,9 +310,7 @@ def test_the_agreement_check_tells_variants_apart():
                                               for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm"]
 
     def check(model):
-        found = e2e.agreement(e2e.logits_of(model, ids), reference)
-        found.update(e2e.norm_agreement(model, calls))
-        return found
+        return e2e.agreement(model, ids, reference, calls)
     same = check(e2e.with_norm_mean_in(base, torch.float32))
     assert same["max_abs_diff"] == same["logits_differing"] == 0.0 and same["top1_agree"] == 1.0
     assert same["norm_outputs_differing"] == same["norm_max_ulps"] == 0.0
