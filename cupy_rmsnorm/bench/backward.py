@@ -24,18 +24,8 @@ NEEDS = f"torch with CUDA; liger: {common.INSTALL_HINTS['liger']}"
 
 
 def add_arguments(p):
-    common.add_common_options(p, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16,fp16",
-                              modes=(MODES, "both"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
-    p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
-    p.add_argument("--budget-s", type=float, default=240.0, help="start no new shape past this many seconds")
-
-
-def finish_args(args, parser):
-    common.resolve_defaults(args, DEFAULTS, QUICK)
-
-
-def requirements_missing(args):
-    return common.torch_missing()
+    common.add_common_options(p, budget_s=240.0, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16,fp16",
+                              modes=(MODES, "both"), repeats=common.ROUNDS_HELP)
 
 
 # -- the report ----------------------------------------------------------------------------------

@@ -1,8 +1,5 @@
-"""``python -m cupy_rmsnorm.bench [SUBCOMMAND] [options]`` / ``cupy-rmsnorm-bench``.
-
-Every sub-command measures on the current GPU and writes NAME.json (with the commit of the
-library measured), NAME.csv, NAME.md and charts to --out; ``--replot JSON`` prints a saved
-report and redraws its files without a GPU. With no sub-command: ``forward``.
+"""``python -m cupy_rmsnorm.bench [SUBCOMMAND] [options]`` / ``cupy-rmsnorm-bench``: a sub-command
+measures and writes NAME.json, .csv, .md and charts to --out; ``--replot JSON`` redraws a saved run.
 """
 
 import argparse
@@ -63,7 +60,11 @@ def parse_args(argv):
     parser, parsers = build_parser()
     args = parser.parse_args(argv)
     args.name_given = args.name
-    SUBCOMMANDS[args.command].finish_args(args, parsers[args.command])
+    module = SUBCOMMANDS[args.command]
+    if hasattr(module, "finish_args"):
+        module.finish_args(args, parsers[args.command])
+    else:
+        common.resolve_defaults(args, module.DEFAULTS, module.QUICK)
     return args
 
 
@@ -77,7 +78,8 @@ def main(argv=None):
         if reason:
             print(common.no_gpu_message(args.command, reason), file=sys.stderr)
             return common.EXIT_NO_GPU
-    missing = module.requirements_missing(args)
+    # a sub-command without requirements_missing needs torch with CUDA
+    missing = getattr(module, "requirements_missing", lambda _: common.torch_missing())(args)
     if missing:
         print(f"{common.PROG} {args.command}: {missing}", file=sys.stderr)
         return common.EXIT_ERROR

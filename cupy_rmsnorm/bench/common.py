@@ -1,7 +1,5 @@
-"""What every sub-command shares: options and shapes, exit codes, the no-GPU message, optional
-peers, run metadata, reports (tables, CSV, charts), the files and the check-then-time loop.
-Nothing here imports CuPy or torch at module level: the command line and the reports work
-without a GPU.
+"""What every sub-command shares: options, exit codes, run metadata, reports, files, the sweep
+loop. No CuPy or torch import at module level: the command line and reports work without a GPU.
 """
 
 import argparse
@@ -31,9 +29,9 @@ COMMITTED_RESULTS = "benchmarks/results"   # the committed reports, in the repos
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16", "half": "float16",
                  "fp32": "float32", "float32": "float32", "float": "float32"}
+ROUNDS_HELP = "timed rounds per measurement (default: 7; --quick: 3)"
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-# How to add each optional peer to the environment; the no-peer notes and --help say it.
 INSTALL_HINTS = {
     "torch": "pip install torch (a CUDA build)",
     "triton": "Triton comes with the CUDA builds of torch on Linux (pip install triton)",
@@ -75,8 +73,7 @@ def _positive_ints(text, what, spec):
 
 
 def parse_shapes(spec):
-    """``"TOKENSxHIDDEN"`` -> [(tokens, hidden)]; either side may be a comma list, giving
-    every combination: ``"1,32x4096,8192"`` is four shapes."""
+    """``"TOKENSxHIDDEN"`` -> [(tokens, hidden)], either side a comma list: ``"1,32x4096,8192"``: four."""
     text = spec.strip().lower()
     if text.count("x") != 1:
         raise ValueError(f"bad shape {spec!r}: expected TOKENSxHIDDEN, e.g. 4096x4096 or 1,32x8192")
@@ -108,8 +105,7 @@ def positive_int(text):
 
 
 def comma_list(parse=str, choices=None, what="value"):
-    """An argparse type: a comma-separated list, each item through ``parse`` (and among
-    ``choices``), duplicates dropped."""
+    """An argparse type: a comma list, each item through ``parse`` (among ``choices``), no duplicates."""
     def convert(text):
         items = [t.strip() for t in text.split(",") if t.strip()]
         if not items:
@@ -139,11 +135,10 @@ def selection(choices, what):
     return convert
 
 
-def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=None, charts=True):
-    """The options every sub-command spells the same way. ``shapes`` / ``dtypes``: the help
-    text of their defaults; ``modes``: (the choices, the help text of the default);
-    ``repeats``: its help text; None where the option does not apply. Options left out on
-    the command line stay None, for ``resolve_defaults``."""
+def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=None, charts=True, peers=None,
+                       budget_s=None, target_us=2000.0):
+    """The options every sub-command spells the same way; each keyword the help text of its default
+    (``modes``: (choices, text)), None where it does not apply. Left-out options stay None."""
     if shapes is not None:
         parser.add_argument("--shapes", type=argparse_type(parse_shapes), nargs="+", metavar="TxH",
                             help="shapes as TOKENSxHIDDEN, either side a comma list for every combination "
@@ -157,7 +152,14 @@ def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=
                             help=f"a list of {', '.join(choices)} (default: {text})")
     if repeats is not None:
         parser.add_argument("--repeats", type=positive_int, metavar="N", help=repeats)
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder")
+    if peers is not None:
+        parser.add_argument("--peers", type=selection(peers, "peer"), default=list(peers),
+                            help=f"all, none or a list of {', '.join(peers)} (default: all that are installed; "
+                                 "'ours' always runs)")
+    if budget_s is not None:     # the sweeps': graph replays long enough to time, a time budget
+        parser.add_argument("--target-us", type=float, default=target_us, help="GPU time per graph replay to aim for")
+        parser.add_argument("--budget-s", type=float, default=budget_s, help="start no new case past this many seconds")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--name", help="file name stem of the outputs (default: the sub-command's name; "
                                        "with --replot, the report's)")
     parser.add_argument("--quick", action="store_true", help="a short run (fewer shapes, repeats, steps)")
@@ -183,9 +185,8 @@ def resolve_defaults(args, defaults, quick=None):
 
 
 def committed_report(command):
-    """The committed report of ``command``: its path from here where this checkout has it, its
-    place in the repository where the library is not a checkout (an installed package), None
-    where this checkout's results have no report of it."""
+    """The committed report of ``command``: its path from here, its place in the repository (an
+    installed package), or None where this checkout has none."""
     results = os.path.join(library_root(), COMMITTED_RESULTS)
     path = os.path.join(results, f"{command}.json")
     if not os.path.isfile(path):
@@ -195,8 +196,7 @@ def committed_report(command):
 
 
 def report_path(path):
-    """A --replot path: as given where it exists from here, else from the top of the checkout
-    holding the library (``benchmarks/results/forward.json`` works from any folder)."""
+    """A --replot path as given, else from the top of the library's checkout."""
     if os.path.isabs(path) or os.path.exists(path):
         return path
     in_checkout = os.path.join(library_root(), path)
@@ -204,16 +204,13 @@ def report_path(path):
 
 
 def python_command():
-    """How to name this interpreter in a command to copy: ``python`` where that is the one on
-    PATH, else its full path (a venv not activated, an entry point)."""
+    """``python`` where that is this interpreter on PATH, else its full path."""
     on_path = shutil.which("python")
     return "python" if on_path and os.path.realpath(on_path) == os.path.realpath(sys.executable) else sys.executable
 
 
 def no_gpu_message(command, reason):
-    """The one line every sub-command prints without a GPU: what is missing, and the command
-    that shows the committed report instead, runnable as printed from here (or that none is
-    committed yet)."""
+    """The one line printed without a GPU: why, and the command that shows the committed report."""
     reason = " ".join(str(reason).split())    # one line, whatever the driver said
     report = committed_report(command)
     if report is None:
@@ -255,8 +252,7 @@ def library_root():
 
 
 def git_state(path):
-    """(commit, dirty) of the git checkout whose top folder is ``path``, or (None, None)
-    (an installed package, or a folder inside some other repository)."""
+    """(commit, dirty) of the git checkout whose top folder is ``path``, else (None, None)."""
     def git(*cmd):
         return subprocess.run(["git", *cmd], cwd=path, capture_output=True, text=True, timeout=10)
     try:
@@ -303,17 +299,14 @@ DIRTY_WARNING = ("WARNING: measured from a tree with uncommitted changes: this r
 
 
 def provenance():
-    """What every report records about the library measured: its commit (None where it is not
-    a git checkout), whether that tree had uncommitted changes, and the date; a loud
-    ``warning`` where it had."""
+    """The measured library's commit, whether its tree was dirty (then a loud ``warning``), the date."""
     commit, dirty = git_state(library_root())
     out = {"commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return dict(out, warning=DIRTY_WARNING) if dirty else out
 
 
 def run_metadata(command, device, **extra):
-    """The ``meta`` of every report: the command, ``provenance()``, the command line, the
-    device (``timing.device_info()`` and the driver), the versions; then ``extra``."""
+    """The ``meta`` of every report: command, provenance, argv, device, versions, then ``extra``."""
     return {"command": command, **provenance(), "argv": sys.argv[1:], "device": device, "versions": versions(),
             **extra}
 
@@ -376,8 +369,7 @@ def render_table(headers, rows, left=(0,), markdown=False):
 
 
 def timing_cells(us, impls, peers):
-    """The cells of one measurement's times (microseconds per implementation, two decimals),
-    then ours over the fastest of ``peers`` and ours over the copy (three decimals)."""
+    """Each implementation's microseconds, then ours over the best of ``peers`` and over the copy."""
     ours, measured = us.get("ours"), [us[i] for i in peers if us.get(i) is not None]
     return ([fmt_num(us.get(i)) for i in impls]
             + [fmt_num(ours / min(measured) if ours and measured else None, 3),
@@ -431,19 +423,15 @@ def best_peer_summary(results, peers):
 
 
 def sections_of(results, ops, modes, op_key="op"):
-    """{(op, mode, dtype): its records}: passes in ``ops`` order, modes in ``modes`` order, dtypes
-    as measured."""
+    """{(op, mode, dtype): its records}, in ``ops`` and ``modes`` order."""
     keys = unique((r[op_key], r["mode"], r["dtype"]) for r in results)
     keys.sort(key=lambda k: (ops.index(k[0]), modes.index(k[1])))
     return {k: [r for r in results if (r[op_key], r["mode"], r["dtype"]) == k] for k in keys}
 
 
 class SectionedReport(NamedTuple):
-    """How a report of one table per (pass, mode, dtype) section reads: ``heading`` of its
-    Markdown, ``note`` under the copy bandwidth, the table's ``headers`` and ``left``-aligned
-    columns, ``rows(records)`` its rows, ``op_titles`` {pass: its title} in the sections' order,
-    ``modes`` in the sections' order, ``peers`` the best peer's candidates, ``op_key`` the
-    records' field naming the pass."""
+    """A report of a table per (pass, mode, dtype): ``op_titles`` and ``modes`` in section order,
+    ``peers`` the best peer's candidates, ``op_key`` the records' field naming the pass."""
     heading: str
     note: str
     headers: list
@@ -461,9 +449,8 @@ def section_title(spec, key):
 
 
 def render_report(payload, heading, intro, sections, markdown=False):
-    """A report as console text or Markdown: the header, the ``intro`` lines, a table per
-    section ((title, headers, rows, left-aligned columns, summary line)), then the notes;
-    ``heading`` titles the Markdown."""
+    """A report as text or Markdown: header, ``intro``, a table per section ((title, headers, rows,
+    left-aligned columns, summary)), notes."""
     meta = payload["meta"]
     if markdown:
         parts = [f"# {heading}: {(meta.get('device') or {}).get('gpu', '?')}",
@@ -486,9 +473,6 @@ def sectioned_report(spec, payload, markdown=False):
                  best_peer_summary(rows, spec.peers))
                 for key, rows in sections_of(payload["results"], tuple(spec.op_titles), spec.modes, spec.op_key).items()]
     return render_report(payload, spec.heading, intro, sections, markdown)
-
-
-
 
 
 # -- files --------------------------------------------------------------------------------------------
@@ -546,10 +530,8 @@ def write_csv(path, header, rows):
 
 
 def write_report(module, payload, out, name, charts=True, with_json=True):
-    """A report's files in ``out``: NAME.json (the payload; not on a replot), NAME.csv (a row per
-    ``module.csv_records``, else per flattened result; ``module.CSV_COLUMNS``, else every field),
-    NAME.md and, with matplotlib, the charts.
-    Returns the paths written."""
+    """NAME.json (not on a replot), NAME.csv (``module.csv_records`` or flattened results,
+    ``module.CSV_COLUMNS``), NAME.md and the charts in ``out``; the paths written."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, name)
     written = []
@@ -592,10 +574,8 @@ def finish_run(module, args, payload, interrupted=False, measured=None):
 
 
 def run_sweep(module, args, payload, started, items, label, measure):
-    """The loop of the sub-commands that sweep shapes or cases: ``measure(item, dtype)`` for each
-    item and --dtypes entry until --budget-s is spent (later items reported as skipped), the
-    payload saved after each item (a crash keeps what came before); then the report. Ctrl-C
-    ends the loop and writes what was measured."""
+    """``measure(item, dtype)`` per item and dtype until --budget-s is spent, the payload saved after
+    each item (a crash keeps what came before); then the report, also after Ctrl-C."""
     import torch
     interrupted = False
     try:
@@ -623,9 +603,7 @@ class Start(NamedTuple):
 
 
 def start_run(command, args, *, impls=(), missing=None, device=None, cupy=False, **meta):
-    """The start of a sweep: the device, torch's runner (and CuPy's with ``cupy``), cold mode's
-    scratch buffer, the copy bandwidth and the payload (``meta`` into its meta, ``missing`` into
-    its skipped), in one opening log line."""
+    """A sweep's runners, cold-mode scratch, copy bandwidth and payload, and its opening log line."""
     from . import timing
     device = device or gpu_device()
     runners = {"torch": timing.TorchRunner(), **({"cupy": timing.CupyRunner()} if cupy else {})}
@@ -647,8 +625,7 @@ def record_error(payload, where, e):
 
 
 def mode_rows(modes, impls, record, checked=True):
-    """{mode: a result record}: ``record``'s fields, the mode, a time per implementation (None
-    until measured) and, where implementations are ``checked``, their errors."""
+    """{mode: a result record}: ``record``'s fields, the mode, times (None until measured), errors."""
     return {mode: {**record, "mode": mode, "us": dict.fromkeys(impls), **({"err": {}} if checked else {})}
             for mode in modes}
 
@@ -671,9 +648,8 @@ def skip_unsupported(payload, counts, impl, reason):
 
 def check_and_time(payload, args, rows, impl, runner, make, *, nbytes, bandwidth, scratch, where, reference=None,
                    tolerance=None):
-    """One implementation into ``rows`` (``mode_rows``): ``make()`` builds its call (None: it has
-    none); with a ``reference``, its first call is compared with it (past ``tolerance``: an error,
-    not timed); then it is timed in each of ``args.modes``. A failure is recorded, never raised."""
+    """One implementation into ``rows``: ``make()`` builds its call (or None); its first call checked
+    against ``reference`` (past ``tolerance``: not timed); then timed per mode. Failures are recorded."""
     from . import timing
     try:
         with runner.context():
@@ -703,8 +679,7 @@ def check_and_time(payload, args, rows, impl, runner, make, *, nbytes, bandwidth
 
 
 def disagreement(result, reference):
-    """max |result - reference| / max |reference| in float32, the worst over the outputs (NaN
-    where an output holds one). Outputs may be torch tensors or CuPy arrays."""
+    """max |result - reference| / max |reference|, the worst over the outputs (torch or CuPy; NaN wins)."""
     import torch
     results = result if isinstance(result, (tuple, list)) else (result,)
     references = reference if isinstance(reference, (tuple, list)) else (reference,)
@@ -730,9 +705,8 @@ def device_copy(torch, nbytes):
 
 
 def bar_chart(path, title, groups, labels, series):
-    """Bars of time over the copy floor's (1 = the speed of a device copy of the same bytes):
-    one panel per ``groups`` entry (its title, then one value list per ``series`` name, a
-    value per label); ``labels``: the bars' x labels, per panel. Returns [path]."""
+    """Bars of time over the copy's: a panel per ``groups`` entry ((title, {series: values})),
+    ``labels`` the bars' labels per panel. Returns [path]."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(11, 3.6 * len(groups)), layout="constrained")
     axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
@@ -754,9 +728,7 @@ def bar_chart(path, title, groups, labels, series):
 
 
 def section_charts(spec, payload, stem, title, impls, label, per_dtype=True):
-    """``stem_MODE_DTYPE.png`` (``stem_MODE.png`` without ``per_dtype``): each of ``impls``' time over
-    the copy's, per record, a panel per pass (``title(mode, dtype)``: the chart's title;
-    ``label(record)``: a bar's label)."""
+    """``stem_MODE[_DTYPE].png``: each of ``impls``' time over the copy's, a panel per pass."""
     paths = []
     results = [r for r in payload["results"] if r["us"].get("copy")]
     for mode, dtype in unique((r["mode"], r["dtype"] if per_dtype else None) for r in results):

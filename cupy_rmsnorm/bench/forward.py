@@ -33,15 +33,12 @@ NEEDS = "CuPy; the torch peers torch with CUDA, liger: " + common.INSTALL_HINTS[
 
 
 def add_arguments(p):
-    common.add_common_options(p, shapes=f"the standard grid of {len(DEFAULT_SHAPES)} shapes",
+    common.add_common_options(p, peers=peers.SELECTABLE, shapes=f"the standard grid of {len(DEFAULT_SHAPES)} shapes",
                               dtypes="bf16,fp16; --quick: bf16", modes=(timing.MODES, "all three"),
                               repeats="timing rounds per measurement, every mode (default: graph 10, cold 30, "
                                       "hot 5; --quick: 5, 10, 3)")
     p.add_argument("--ops", type=common.comma_list(str, peers.OPS, "op"), default=list(peers.OPS),
                    help="ops to measure: rms, fused ")
-    p.add_argument("--peers", type=common.selection(peers.SELECTABLE, "peer"), default=list(peers.SELECTABLE),
-                   help=f"all, none or a list of {', '.join(peers.SELECTABLE)} (default: all that are "
-                        f"installed; 'ours' always runs)")
     p.add_argument("--compile", choices=peers.COMPILE_MODES, default="tokens",
                    help="torch_compile peer: 'tokens' = token axis dynamic, hidden static, one compile "
                         "per hidden size (default; as a server compiles); 'static' = one compile per "

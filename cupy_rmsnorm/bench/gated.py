@@ -95,8 +95,8 @@ def parse_group_size(text):
 
 
 def add_arguments(p):
-    common.add_common_options(p, shapes=f"whole rows {TOKENS_TEXT}x4096,8192", dtypes="bf16",
-                              modes=(MODES, "both"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
+    common.add_common_options(p, peers=SELECTABLE, budget_s=450.0, shapes=f"whole rows {TOKENS_TEXT}x4096,8192",
+                              dtypes="bf16", modes=(MODES, "both"), repeats=common.ROUNDS_HELP)
     p.add_argument("--heads", type=common.argparse_type(common.parse_shapes), nargs="+", metavar="TxH",
                    help="Gated DeltaNet cases as TOKENSxHEADS (heads of --head-dim channels; x and the gate "
                         f"views into one packed buffer), either side a comma list; default: {TOKENS_TEXT}x32")
@@ -111,11 +111,6 @@ def add_arguments(p):
                         "silu(gate)) * w (Mamba2)")
     p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
                    help="passes: fwd, bwd, fwdbwd")
-    p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
-                   help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
-                        "'ours' always runs)")
-    p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
-    p.add_argument("--budget-s", type=float, default=450.0, help="start no new case past this many seconds")
 
 
 def finish_args(args, parser):
@@ -124,10 +119,6 @@ def finish_args(args, parser):
         args.heads = common.unique(s for spec in args.heads for s in spec)
     if not cases(args):
         parser.error("no case to measure: no --group-sizes divides a --shapes hidden size")
-
-
-def requirements_missing(args):
-    return common.torch_missing()
 
 
 def cases(args):

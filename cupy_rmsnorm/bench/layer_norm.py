@@ -54,24 +54,11 @@ def describe(shape):
 
 # -- arguments ---------------------------------------------------------------------------------
 def add_arguments(p):
-    common.add_common_options(p, shapes=f"{','.join(map(str, TOKENS))}x{','.join(map(str, HIDDEN))}",
-                              dtypes="bf16", modes=(MODES, "both"),
-                              repeats="timed rounds per measurement (default: 7; --quick: 3)")
+    common.add_common_options(p, peers=SELECTABLE, budget_s=900.0, dtypes="bf16", modes=(MODES, "both"),
+                              shapes=f"{','.join(map(str, TOKENS))}x{','.join(map(str, HIDDEN))}",
+                              repeats=common.ROUNDS_HELP)
     p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
                    help="passes: fwd, bwd, fwdbwd, fused, modulate")
-    p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
-                   help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
-                        "'ours' always runs)")
-    p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
-    p.add_argument("--budget-s", type=float, default=900.0, help="start no new shape past this many seconds")
-
-
-def finish_args(args, parser):
-    common.resolve_defaults(args, DEFAULTS, QUICK)
-
-
-def requirements_missing(args):
-    return common.torch_missing()
 
 
 def moved_bytes(op, tokens, hidden, itemsize):

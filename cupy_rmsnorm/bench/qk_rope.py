@@ -85,8 +85,8 @@ def parse_heads(text):
 
 
 def add_arguments(p):
-    common.add_common_options(p, dtypes="bf16", modes=(MODES, "both"),
-                              repeats="timed rounds per measurement (default: 7; --quick: 3)")
+    common.add_common_options(p, peers=SELECTABLE, budget_s=480.0, dtypes="bf16", modes=(MODES, "both"),
+                              repeats=common.ROUNDS_HELP)
     p.add_argument("--tokens", type=common.comma_list(common.positive_int, what="token count"), metavar="T,...",
                    help=f"token counts (rows of the packed projection) (default: {','.join(map(str, TOKENS))}; "
                         f"--quick: {','.join(map(str, QUICK['tokens']))})")
@@ -95,23 +95,10 @@ def add_arguments(p):
                         f"(default: {HEADS_TEXT})")
     p.add_argument("--ops", type=common.comma_list(str.lower, OPS, "op"), default=list(OPS),
                    help="passes: fwd (in place), fwdbwd (forward + backward through autograd) ")
-    p.add_argument("--peers", type=common.selection(SELECTABLE, "peer"), default=list(SELECTABLE),
-                   help=f"all, none or a list of {', '.join(SELECTABLE)} (default: all that are installed; "
-                        "'ours' always runs)")
     p.add_argument("--flashinfer", metavar="PATH",
                    help="FlashInfer's rope: a built libfirope.so, a folder of extracted headers (python -m "
                         "cupy_rmsnorm.bench.flashinfer WHEEL), a flashinfer_python wheel, or 'none' (default: the "
                         "installed flashinfer-python's headers, built with nvcc)")
-    p.add_argument("--target-us", type=float, default=2000.0, help="GPU time per graph replay to aim for")
-    p.add_argument("--budget-s", type=float, default=480.0, help="start no new case past this many seconds")
-
-
-def finish_args(args, parser):
-    common.resolve_defaults(args, DEFAULTS, QUICK)
-
-
-def requirements_missing(args):
-    return common.torch_missing()
 
 
 def cases(args):

@@ -30,24 +30,14 @@ NEEDS = f"torch with CUDA; flashinfer: {common.INSTALL_HINTS['flashinfer']}"
 
 
 def add_arguments(p):
-    common.add_common_options(p, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES), dtypes="bf16",
-                              modes=(MODES, "graph"), repeats="timed rounds per measurement (default: 7; --quick: 3)")
+    common.add_common_options(p, budget_s=240.0, target_us=1500.0, shapes=", ".join(f"{r}x{h}" for r, h in SHAPES),
+                              dtypes="bf16", modes=(MODES, "graph"), repeats=common.ROUNDS_HELP)
     p.add_argument("--cases", type=common.comma_list(str, CASES, "case"), default=list(CASES),
                    help=f"a list of {', '.join(CASES)}")
     p.add_argument("--flashinfer", metavar="PATH",
                    help="FlashInfer's kernels: a built library (.so), a folder of extracted headers "
                         "(python -m cupy_rmsnorm.bench.flashinfer WHEEL), a flashinfer_python wheel, or "
                         "'none' (default: the installed flashinfer-python's headers, built with nvcc)")
-    p.add_argument("--target-us", type=float, default=1500.0, help="GPU time per graph replay to aim for")
-    p.add_argument("--budget-s", type=float, default=240.0, help="start no new shape past this many seconds")
-
-
-def finish_args(args, parser):
-    common.resolve_defaults(args, DEFAULTS, QUICK)
-
-
-def requirements_missing(args):
-    return common.torch_missing()
 
 
 def moved_bytes(case, rows, hidden, itemsize=2):
