@@ -4,6 +4,7 @@ loop. No CuPy or torch import at module level: the command line and reports work
 
 import argparse
 import csv
+import importlib
 import importlib.util
 import json
 import math
@@ -234,14 +235,24 @@ def torch_missing():
 
 
 def module_missing(module, what, hint):
-    """None when ``module`` imports, else why not, with ``INSTALL_HINTS[hint]``."""
+    """None when ``module`` imports, else why not, with how to install it (``INSTALL_HINTS[hint]`` or ``hint``)."""
     if importlib.util.find_spec(module.split(".")[0]) is None:
-        return f"{what} is not installed ({INSTALL_HINTS[hint]})"
+        return f"{what} is not installed ({INSTALL_HINTS.get(hint, hint)})"
     try:
-        __import__(module)
-    except Exception as e:  # noqa: BLE001 - installed but broken (e.g. no Triton): left out
-        return f"{module} does not import ({type(e).__name__}: {e})"
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - installed but broken (no Triton, no CUTLASS DSL): left out
+        return f"{module} does not import ({error_text(e)})"
     return None
+
+
+def triton_missing():
+    return None if importlib.util.find_spec("triton") else f"Triton is not installed ({INSTALL_HINTS['triton']})"
+
+
+def transformers_missing(args):
+    """What the e2e and train runs need: torch with CUDA (not with --device cpu) and transformers."""
+    why = torch_missing() if args.device == "cuda" else None
+    return why or module_missing("transformers", "transformers", "transformers")
 
 
 # -- what a report records about its run -----------------------------------------------------------
@@ -594,16 +605,8 @@ def run_sweep(module, args, payload, started, items, label, measure):
     return finish_run(module, args, payload, interrupted)
 
 
-class Start(NamedTuple):
-    """What a sweep starts from (``start_run``)."""
-    payload: dict
-    runners: dict
-    scratch: object
-    bandwidth: float
-
-
 def start_run(command, args, *, impls=(), missing=None, device=None, cupy=False, **meta):
-    """A sweep's runners, cold-mode scratch, copy bandwidth and payload, and its opening log line."""
+    """(payload, runners, cold-mode scratch, copy bandwidth) of a sweep, and its opening log line."""
     from . import timing
     device = device or gpu_device()
     runners = {"torch": timing.TorchRunner(), **({"cupy": timing.CupyRunner()} if cupy else {})}
@@ -614,7 +617,7 @@ def start_run(command, args, *, impls=(), missing=None, device=None, cupy=False,
                "results": [], "errors": [], "skipped": dict(missing or {})}
     log(f"{command} on {device['gpu']}: copy bandwidth {bandwidth:.0f} GB/s" + (f"; {', '.join(impls)}" if impls else "")
         + "".join(f"\nnote: {n} left out: {why}" for n, why in payload["skipped"].items()))
-    return Start(payload, runners, scratch, bandwidth)
+    return payload, runners, scratch, bandwidth
 
 
 def record_error(payload, where, e):

@@ -114,9 +114,7 @@ def finish_args(args, p):
         args.variants = [BASELINE] + args.variants
 
 
-def requirements_missing(args):
-    why = common.torch_missing() if args.device == "cuda" else None
-    return why or common.module_missing("transformers", "transformers", "transformers")
+requirements_missing = common.transformers_missing
 
 
 def model_config(args):

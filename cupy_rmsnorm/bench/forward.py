@@ -178,12 +178,11 @@ def intro(payload):
     return lines
 
 
-def format_report(payload):
-    return common.render_report(payload, "Forward", intro(payload), sections(payload.get("results", [])))
+def format_report(payload, markdown=False):
+    return common.render_report(payload, "Forward", intro(payload), sections(payload.get("results", [])), markdown)
 
 
-def format_markdown(payload):
-    return common.render_report(payload, "Forward", intro(payload), sections(payload.get("results", [])), True)
+format_markdown = functools.partial(format_report, markdown=True)
 
 
 def csv_records(payload):

@@ -7,7 +7,6 @@ it is timed (err: max |theirs - ours| / max |ours|).
 """
 
 import functools
-import importlib.util
 import sys
 import time
 from typing import NamedTuple, Optional
@@ -171,8 +170,8 @@ def availability(names):
         why = None
         if name in ("fla", "fla_grouped"):
             why = common.module_missing("fla.modules", "fla-core", "fla")
-        elif name == "torch.compile" and importlib.util.find_spec("triton") is None:
-            why = f"Triton is not installed ({common.INSTALL_HINTS['triton']})"
+        elif name == "torch.compile":
+            why = common.triton_missing()
         elif name == "hf":
             why = common.module_missing("transformers.models.qwen3_next.modeling_qwen3_next", "transformers",
                                         "transformers")

@@ -7,8 +7,6 @@ the same values. Each implementation's outputs are checked against ours before i
 """
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import sys
 import time
@@ -66,24 +64,12 @@ def moved_bytes(op, tokens, hidden, itemsize):
     return ARRAYS_MOVED[op] * tokens * hidden * itemsize
 
 
-def _missing(module, what, hint):
-    """None when ``module`` imports, else why not, with how to install it."""
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        return f"{what} is not installed ({hint})"
-    try:
-        importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - installed but broken (no Triton, no CUTLASS DSL): left out
-        return f"{module} does not import ({common.error_text(e)})"
-    return None
-
-
 def availability(names):
     """(the implementations of ``names`` that can run, in IMPLS order; {name: why not} for the others)."""
-    checks = {"torch.compile": lambda: None if importlib.util.find_spec("triton") else
-              f"Triton is not installed ({common.INSTALL_HINTS['triton']})",
-              "liger": lambda: _missing("liger_kernel.ops.layer_norm", "liger-kernel", HINTS["liger"]),
-              "quack": lambda: _missing("quack.layernorm", "quack-kernels", HINTS["quack"]),
-              "flashinfer": lambda: _missing("flashinfer.norm", "flashinfer-python", HINTS["flashinfer"])}
+    checks = {"torch.compile": common.triton_missing,
+              "liger": lambda: common.module_missing("liger_kernel.ops.layer_norm", "liger-kernel", HINTS["liger"]),
+              "quack": lambda: common.module_missing("quack.layernorm", "quack-kernels", HINTS["quack"]),
+              "flashinfer": lambda: common.module_missing("flashinfer.norm", "flashinfer-python", HINTS["flashinfer"])}
     missing = {n: why for n in names if n in checks for why in [checks[n]()] if why}
     return [n for n in IMPLS if n in names and n not in missing], missing
 

@@ -2,7 +2,6 @@
 (torch tensors are views of the CuPy inputs, so all read the same memory)."""
 
 import functools
-import importlib.util
 
 import numpy as np
 
@@ -72,8 +71,8 @@ def availability(names):
         reason = None
         if RUNNER_KIND[name] == "torch":
             reason = torch_missing()
-        if reason is None and name in NEEDS_TRITON and importlib.util.find_spec("triton") is None:
-            reason = f"Triton is not installed ({common.INSTALL_HINTS['triton']})"
+        if reason is None and name in NEEDS_TRITON:
+            reason = common.triton_missing()
         if reason is None and name in NEEDS_LIGER:
             reason = liger_missing()
         if reason:

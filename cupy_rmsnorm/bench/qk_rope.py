@@ -7,7 +7,6 @@ max |theirs - reference| / max |reference|).
 """
 
 import functools
-import importlib.util
 import re
 import sys
 import time
@@ -127,9 +126,9 @@ def availability(names):
     missing = {}
     for name in names:
         why = None
-        if name in ("ours_unfused", "torch_compile", "liger") and importlib.util.find_spec("triton") is None:
-            why = f"Triton is not installed ({common.INSTALL_HINTS['triton']})"
-        elif name == "liger":
+        if name in ("ours_unfused", "torch_compile", "liger"):
+            why = common.triton_missing()
+        if not why and name == "liger":
             why = common.module_missing("liger_kernel.ops.rope", "liger-kernel", "liger")
         if why:
             missing[name] = why

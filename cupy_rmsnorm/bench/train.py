@@ -6,6 +6,7 @@ the median step time of each (the first steps left out).
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -40,9 +41,7 @@ def finish_args(args, parser):
         parser.error(f"--hidden {args.hidden} is not a multiple of the 16 attention heads")
 
 
-def requirements_missing(args):
-    why = common.torch_missing() if args.device == "cuda" else None
-    return why or common.module_missing("transformers", "transformers", "transformers")
+requirements_missing = common.transformers_missing
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -81,12 +80,7 @@ def _report(payload, markdown=False):
     return common.render_report(payload, "Training check", summary(payload), sections, markdown)
 
 
-def format_report(payload):
-    return _report(payload)
-
-
-def format_markdown(payload):
-    return _report(payload, markdown=True)
+format_report, format_markdown = _report, functools.partial(_report, markdown=True)
 
 
 def csv_records(payload):

@@ -307,7 +307,7 @@ def test_replot_refuses_a_report_of_another_subcommand_and_unreadable_files(tmp_
 
 def test_peers_say_how_to_install_what_is_missing(monkeypatch):
     monkeypatch.setattr(peers, "torch_missing", lambda: None)
-    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)    # no Triton, no Liger
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)    # no Triton, no Liger
     _, missing = peers.availability(["ours", "torch_compile"])
     assert "Triton" in missing["torch_compile"] and "torch" in missing["torch_compile"]
     peers.liger_missing.cache_clear()

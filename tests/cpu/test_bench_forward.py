@@ -73,7 +73,7 @@ def test_availability_of_the_copy_and_the_in_place_forms(monkeypatch):
     assert available == ["ours", "ours_ip", "copy"]                # the CuPy runner's need no torch
     assert missing == {"liger": "PyTorch sees no CUDA device", "liger_ip": "PyTorch sees no CUDA device"}
     monkeypatch.setattr(peers, "torch_missing", lambda: None)
-    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: object())   # Triton "there"
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: object())   # Triton "there"
     monkeypatch.setattr(peers, "liger_missing", lambda: "liger-kernel is not installed")
     available, missing = peers.availability(names)
     assert available == ["ours", "ours_ip", "copy"]

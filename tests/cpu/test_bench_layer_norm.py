@@ -54,9 +54,9 @@ def test_the_copy_floor_moves_the_passes_bytes():
 # -- peers ----------------------------------------------------------------------------------------
 def test_peers_chosen_from_what_imports(monkeypatch):
     present = {"triton", "liger_kernel"}
-    monkeypatch.setattr(layer_norm.importlib.util, "find_spec",
+    monkeypatch.setattr(common.importlib.util, "find_spec",
                         lambda name: object() if name.split(".")[0] in present else None)
-    monkeypatch.setattr(layer_norm.importlib, "import_module", lambda name: None)
+    monkeypatch.setattr(common.importlib, "import_module", lambda name: None)
     impls, missing = layer_norm.availability(["ours", *layer_norm.SELECTABLE])
     assert impls == ["ours", "F.layer_norm", "torch.compile", "liger", "copy"]
     assert missing == {"quack": "quack-kernels is not installed (pip install quack-kernels)",
@@ -68,7 +68,7 @@ def test_peers_chosen_from_what_imports(monkeypatch):
     def broken(name):
         raise ImportError("no CUTLASS DSL")
     present.add("quack")
-    monkeypatch.setattr(layer_norm.importlib, "import_module", broken)
+    monkeypatch.setattr(common.importlib, "import_module", broken)
     assert layer_norm.availability(["quack"]) == ([], {"quack": "quack.layernorm does not import (ImportError: "
                                                                 "no CUTLASS DSL)"})
 

@@ -97,13 +97,13 @@ def test_what_cannot_run():
 
 def test_without_triton_or_liger_the_peers_say_how_to_install(monkeypatch):
     everything = ["ours", *qk_rope.SELECTABLE]
-    monkeypatch.setattr(qk_rope.importlib.util, "find_spec", lambda name: None)      # (common's importlib too)
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
     impls, missing = qk_rope.availability(everything)
     assert impls == ["ours", "flashinfer", "copy"]           # FlashInfer's library is tried by the run
     assert set(missing) == {"ours_unfused", "torch_compile", "liger"}
     assert all(why.startswith("Triton is not installed") for why in missing.values())
 
-    monkeypatch.setattr(qk_rope.importlib.util, "find_spec",                          # Triton, no Liger
+    monkeypatch.setattr(common.importlib.util, "find_spec",                          # Triton, no Liger
                         lambda name: None if name.startswith("liger") else object())
     impls, missing = qk_rope.availability(everything)
     assert missing == {"liger": "liger-kernel is not installed (pip install liger-kernel)"}
