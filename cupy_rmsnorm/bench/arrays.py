@@ -25,8 +25,7 @@ def poison(a):
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """bfloat16 -> float32 and -> float64 (exact), float32 -> bfloat16 (round to nearest
-    even, NaN stays NaN): one elementwise kernel each."""
+    """bfloat16 -> float32 / float64 (exact), float32 -> bfloat16 (nearest even): one elementwise kernel each."""
     import cupy
     to_f32 = cupy.ElementwiseKernel(
         "uint16 u", "float32 f", "f = __uint_as_float(((unsigned int)u) << 16)", "cupy_rmsnorm_bf16_to_f32")
@@ -58,8 +57,7 @@ def to_float64(a):
 
 
 def from_float32(a32, dtype):
-    """A CuPy array rounded to ``dtype`` (a dtype or its name) to nearest even, as the
-    kernels round (contiguous)."""
+    """A CuPy array rounded to ``dtype`` (a dtype or its name) to nearest even, as the kernels round (contiguous)."""
     import cupy
     dtype = np.dtype(dtype)     # "bfloat16" too: ml_dtypes registers the name
     if a32.dtype != cupy.float32:
@@ -70,8 +68,7 @@ def from_float32(a32, dtype):
 
 
 def to_torch(a):
-    """A torch view of a CuPy array (16-bit types travel as int16, then are viewed back:
-    that works whatever DLPack bfloat16 support either side has)."""
+    """A torch view of a CuPy array (16-bit types as int16, whatever either side's DLPack bfloat16 support)."""
     import cupy
     import torch
     if a.dtype.itemsize == 2:
@@ -81,8 +78,7 @@ def to_torch(a):
 
 
 def to_cupy(t):
-    """A CuPy view of a torch CUDA tensor (the same int16 route for 16-bit types; a
-    non-contiguous tensor is copied first)."""
+    """A CuPy view of a torch CUDA tensor (16-bit types as int16; a non-contiguous one copied first)."""
     import cupy
     import torch
     t = t.contiguous()

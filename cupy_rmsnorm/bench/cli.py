@@ -18,8 +18,7 @@ EXIT_CODES = (f"exit status: {common.EXIT_OK} done; {common.EXIT_ERROR} nothing 
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; each option's default after its help, where argparse holds it
-    (None: resolved after parsing, from DEFAULTS and --quick, which the help text says)."""
+    """Descriptions as written; an option's argparse default after its help, unless the help says it."""
 
     def _get_help_string(self, action):
         default = action.default

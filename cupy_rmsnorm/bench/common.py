@@ -138,8 +138,7 @@ def selection(choices, what):
 
 def add_common_options(parser, *, shapes=None, dtypes=None, modes=None, repeats=None, charts=True, peers=None,
                        budget_s=None, target_us=2000.0):
-    """The options every sub-command spells the same way; each keyword the help text of its default
-    (``modes``: (choices, text)), None where it does not apply. Left-out options stay None."""
+    """The options every sub-command spells alike; a keyword's value is its default's help text, None: none."""
     if shapes is not None:
         parser.add_argument("--shapes", type=argparse_type(parse_shapes), nargs="+", metavar="TxH",
                             help="shapes as TOKENSxHIDDEN, either side a comma list for every combination "
@@ -186,8 +185,7 @@ def resolve_defaults(args, defaults, quick=None):
 
 
 def committed_report(command):
-    """The committed report of ``command``: its path from here, its place in the repository (an
-    installed package), or None where this checkout has none."""
+    """The committed report of ``command``: its path from here or in the repository, None if none."""
     results = os.path.join(library_root(), COMMITTED_RESULTS)
     path = os.path.join(results, f"{command}.json")
     if not os.path.isfile(path):
@@ -371,8 +369,7 @@ def geomean(values):
 
 
 def render_table(headers, rows, left=(0,), markdown=False):
-    """A text table (Markdown with ``markdown``); ``left`` columns left-aligned, others right.
-    Cells are shown as formatted (no number parsing)."""
+    """A text or Markdown table, cells as formatted; ``left`` columns left-aligned."""
     from tabulate import tabulate
     align = [None if markdown else ("left" if i in left else "right") for i in range(len(headers))]
     return tabulate(rows, headers, tablefmt="github" if markdown else "simple", disable_numparse=True,
@@ -441,8 +438,7 @@ def sections_of(results, ops, modes, op_key="op"):
 
 
 class SectionedReport(NamedTuple):
-    """A report of a table per (pass, mode, dtype): ``op_titles`` and ``modes`` in section order,
-    ``peers`` the best peer's candidates, ``op_key`` the records' field naming the pass."""
+    """A report of a table per (pass, mode, dtype), sections in ``op_titles`` and ``modes`` order."""
     heading: str
     note: str
     headers: list
@@ -460,8 +456,7 @@ def section_title(spec, key):
 
 
 def render_report(payload, heading, intro, sections, markdown=False):
-    """A report as text or Markdown: header, ``intro``, a table per section ((title, headers, rows,
-    left-aligned columns, summary)), notes."""
+    """A report as text or Markdown: header, ``intro``, a table per (title, headers, rows, left, summary), notes."""
     meta = payload["meta"]
     if markdown:
         parts = [f"# {heading}: {(meta.get('device') or {}).get('gpu', '?')}",
@@ -510,8 +505,7 @@ def load_json(path):
 
 
 def csv_of(records, columns=None):
-    """(header, rows) of flat records: ``columns`` ({column: its format spec, or None for the value
-    as is}; default: every key, first seen first), a row per record."""
+    """(header, rows) of flat records; ``columns``: {column: format spec or None}, default every key."""
     columns = columns or dict.fromkeys(k for r in records for k in r)
     return list(columns), [[r.get(k) if r.get(k) is None or spec is None else format(float(r[k]), spec)
                             for k, spec in columns.items()] for r in records]
@@ -541,8 +535,7 @@ def write_csv(path, header, rows):
 
 
 def write_report(module, payload, out, name, charts=True, with_json=True):
-    """NAME.json (not on a replot), NAME.csv (``module.csv_records`` or flattened results,
-    ``module.CSV_COLUMNS``), NAME.md and the charts in ``out``; the paths written."""
+    """NAME.json (not on a replot), NAME.csv, NAME.md and the charts into ``out``; the paths written."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, name)
     written = []
@@ -572,8 +565,7 @@ def save_partial(args, payload):
 
 
 def finish_run(module, args, payload, interrupted=False, measured=None):
-    """The end of every run: the files written, the report printed; the exit status (an error where
-    nothing was ``measured``: by default the payload's results)."""
+    """The files written and the report printed; the exit status (an error where nothing was ``measured``)."""
     written = write_report(module, payload, args.out, args.name, charts=not args.no_chart)
     print(module.format_report(payload))
     for path in written:
@@ -585,8 +577,7 @@ def finish_run(module, args, payload, interrupted=False, measured=None):
 
 
 def run_sweep(module, args, payload, started, items, label, measure):
-    """``measure(item, dtype)`` per item and dtype until --budget-s is spent, the payload saved after
-    each item (a crash keeps what came before); then the report, also after Ctrl-C."""
+    """``measure(item, dtype)`` until --budget-s is spent, saving after each item; the report, also after Ctrl-C."""
     import torch
     interrupted = False
     try:
@@ -651,8 +642,7 @@ def skip_unsupported(payload, counts, impl, reason):
 
 def check_and_time(payload, args, rows, impl, runner, make, *, nbytes, bandwidth, scratch, where, reference=None,
                    tolerance=None):
-    """One implementation into ``rows``: ``make()`` builds its call (or None); its first call checked
-    against ``reference`` (past ``tolerance``: not timed); then timed per mode. Failures are recorded."""
+    """Check ``make()``'s first call against ``reference``, then time it per mode; failures are recorded."""
     from . import timing
     try:
         with runner.context():
@@ -708,8 +698,7 @@ def device_copy(torch, nbytes):
 
 
 def bar_chart(path, title, groups, labels, series):
-    """Bars of time over the copy's: a panel per ``groups`` entry ((title, {series: values})),
-    ``labels`` the bars' labels per panel. Returns [path]."""
+    """Bars of time over the copy's: a panel per (title, {series: values}) of ``groups``. Returns [path]."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(11, 3.6 * len(groups)), layout="constrained")
     axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
@@ -747,8 +736,7 @@ def section_charts(spec, payload, stem, title, impls, label, per_dtype=True):
 
 
 def report_functions(spec, chart_name, impls, label, per_dtype=True):
-    """``format_report``, ``format_markdown`` and ``write_charts`` of a sectioned report; the charts
-    draw ``impls``, a bar per ``label(record)``."""
+    """``format_report``, ``format_markdown`` and ``write_charts`` of a sectioned report."""
     def title(mode, dtype):
         return f"{chart_name}{f', {dtype}' if dtype else ''}, {mode} mode: time over a copy of the same bytes"
     return (lambda payload: sectioned_report(spec, payload),

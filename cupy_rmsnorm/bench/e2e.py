@@ -208,8 +208,7 @@ csv_records = serving_records
 
 # -- the model and its variants (torch from here on) ------------------------------------------------------
 def build_model(args):
-    """The random model, built under the run's dtype as default (as from_pretrained: inv_freq stays
-    float32), norm weights randomized (NORM_WEIGHT_STD)."""
+    """The random model in the run's dtype (as default dtype, as from_pretrained), norm weights randomized."""
     import torch
     family = FAMILIES[args.model]
     modeling = importlib.import_module(family.modeling)
@@ -232,8 +231,7 @@ def build_model(args):
 
 
 def shared_weight_copy(model):
-    """A copy of the module tree that shares every parameter and buffer: patching it
-    leaves ``model`` as it is and costs no weight memory."""
+    """A copy of the module tree sharing every parameter and buffer: patching it leaves ``model`` as is."""
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     return copy.deepcopy(model, memo)
 
@@ -362,8 +360,7 @@ def vs_float32(logits, exact):
 
 
 def _hf_norm_with_mean_in(mean_dtype, module, hidden_states):
-    """HF's RMSNorm forward, op for op, its mean of squares in ``mean_dtype``: float32 gives HF's bits,
-    float64 rounds the variance once."""
+    """HF's RMSNorm forward, its mean of squares in ``mean_dtype`` (float32: HF's bits; float64: rounded once)."""
     import torch
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
@@ -381,8 +378,7 @@ def with_norm_mean_in(base, mean_dtype):
 
 
 def agreement_floor(base, ids, reference, calls, exact):
-    """The check's floor: hf with its variance rounded once, against hf; and its float32 twin against
-    hf (``reimplementation_max_abs_diff``, 0 when the copy is HF's arithmetic)."""
+    """The check's floor: hf with its variance rounded once; and its float32 twin (0 when it is HF's arithmetic)."""
     import torch
     floor = agreement(with_norm_mean_in(base, torch.float64), ids, reference, calls, exact)
     same = logits_of(with_norm_mean_in(base, torch.float32), ids)
@@ -445,8 +441,7 @@ def measure_all(args, payload, elapsed, deadline):
 
 
 def check_agreement(args, payload, base, models):
-    """One teacher-forced forward per variant against hf's logits and norm outputs; a variant
-    that fails it is not timed."""
+    """One teacher-forced forward per variant against hf's; a variant that fails it is not timed."""
     ids = token_ids(args, AGREE_BATCH, args.agree_tokens, offset=2)
     reference, calls, exact = logits_of(models[BASELINE], ids), norm_calls(models[BASELINE], ids), None
     if args.dtype != "float32":
@@ -472,8 +467,7 @@ def check_agreement(args, payload, base, models):
 
 
 def measure_serving(args, payload, models, elapsed, deadline):
-    """The decode steps and the prefill of every variant (the serving module), captured or
-    warmed up one by one, then timed in interleaved rounds."""
+    """Every variant's decode steps and prefill, captured one by one, then timed in interleaved rounds."""
     timers = {}
     prefill_ids = token_ids(args, 1, args.prefill, offset=4)
     for measure, mode, batch in serving.measures(args.step_modes, args.step_batches, args.prefill):

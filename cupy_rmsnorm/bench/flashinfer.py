@@ -64,8 +64,7 @@ def quoted_includes(text):
 
 
 def header_closure(read, roots=ROOTS):
-    """{name: text} of ``roots`` and the FlashInfer headers they include (``read(name)``: the bytes of
-    include/flashinfer/NAME); norm.cuh trimmed, as norm_rms.cuh."""
+    """{name: text} of ``roots`` and the FlashInfer headers they include; norm.cuh trimmed, as norm_rms.cuh."""
     texts, todo = {}, list(roots)
     while todo:
         name = todo.pop(0)
@@ -96,8 +95,7 @@ def _write_if_changed(path, data):
 
 
 def write_headers(read, version, out, cccl=()):
-    """``header_closure(read)`` and VERSION into ``out/include``, ``cccl`` ((relative path, reader)
-    pairs) into ``out/cccl``; returns the include folder."""
+    """``header_closure(read)`` and VERSION into ``out/include``, ``cccl`` into ``out/cccl``; the include folder."""
     include = os.path.join(out, "include")
     for name, text in header_closure(read).items():
         _write_if_changed(os.path.join(include, "flashinfer", name), text.encode("utf-8", "surrogateescape"))
@@ -151,8 +149,7 @@ def find_nvcc():
 
 
 def build(include, out_dir, arch, wrapper=QUANT):
-    """``wrapper`` built for sm_``arch`` against ``include`` (and ``cccl`` beside it) into ``out_dir``,
-    reused while newer than its inputs; the library's path. RuntimeError without nvcc."""
+    """``wrapper`` built for sm_``arch`` into ``out_dir`` (reused while newer than its inputs); its path."""
     lib = os.path.join(out_dir, f"sm{arch}", wrapper.library)
     inputs = [wrapper.source] + glob.glob(os.path.join(include, "flashinfer", "*"))
     if os.path.isfile(lib) and os.path.getmtime(lib) >= max(os.path.getmtime(p) for p in inputs):
@@ -182,8 +179,7 @@ def load(path, wrapper=QUANT):
 
 
 def library(spec, arch, wrapper=QUANT):
-    """(library, None) or (None, why not) for ``--flashinfer``: a .so, a folder of extracted headers,
-    a wheel, None (the installed package) or "none"."""
+    """(library, None) or (None, why not) of ``--flashinfer``: a .so, a header folder, a wheel, None or 'none'."""
     if spec == "none":
         return None, "--flashinfer none"
     try:

@@ -108,8 +108,7 @@ def time_ratio(by_impl, a, b):
 
 
 def section(mode, op, dtype, by_shape):
-    """One table of ``render_report``: per shape our time, GB/s, % of copy, our time over the others',
-    the best peer's, the copy's and the in-place form's, and our launch plan."""
+    """One table: per shape our time, GB/s, % of copy, our time over each other's, and our launch plan."""
     present = _order(sorted({name for d in by_shape.values() for name in d}), IMPLS)
     others = [n for n in present if n != "ours" and (n in OURS or n in PEERS)]
     extra = []   # (header, cell of a shape's {impl: record}): the copy and the in-place form
@@ -315,8 +314,7 @@ def measure_first_calls(args, log):
 
 
 class Sweep:
-    """Every (op, dtype, shape) x implementation x mode of one run, into ``records``, ``errors`` and
-    ``warmup_s`` (warm-up and compile seconds per implementation)."""
+    """Every (op, dtype, shape) x implementation x mode of one run, into ``records`` and ``errors``."""
 
     def __init__(self, args, sm_count, max_cluster, copy_gbps, impls, bar, log):
         self.args, self.sm_count, self.copy_gbps, self.impls = args, sm_count, copy_gbps, impls

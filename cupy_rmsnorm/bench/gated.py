@@ -1,9 +1,6 @@
-"""``gated``: the gated RMSNorm against its peers, forward, backward and forward + backward, in
-graph and cold modes. Orders: norm-gate, y = rmsnorm(x) * w * silu(gate) (Qwen3-Next, Gated
-DeltaNet); gate-norm, y = rmsnorm(x * silu(gate)) * w (Mamba2). Cases: TxHxD, x and the gate
-(T, H, D) views into one packed (T, 2*H*D) buffer, each head normalized; TxW, whole rows, each
-group of channels normalized. Each implementation's outputs are checked against ours before
-it is timed (err: max |theirs - ours| / max |ours|).
+"""``gated``: the gated RMSNorm against its peers, forward, backward and forward + backward, in graph
+and cold modes. norm-gate: y = rmsnorm(x) * w * silu(gate) (Qwen3-Next, Gated DeltaNet); gate-norm:
+y = rmsnorm(x * silu(gate)) * w (Mamba2). Outputs are checked against ours before timing.
 """
 
 import functools
@@ -50,8 +47,7 @@ NEEDS = (f"torch with CUDA; fla, fla_grouped: {common.INSTALL_HINTS['fla']}; hf:
 
 
 class Case(NamedTuple):
-    """One problem: ``layout`` "heads" ((tokens, heads, width) views into one packed buffer) or
-    "rows" ((tokens, width), heads 1); ``width``: the normalized axis."""
+    """One problem: ``layout`` 'heads' (views into one packed buffer) or 'rows'; ``width``: the normalized axis."""
     layout: str
     tokens: int
     heads: int
@@ -150,8 +146,7 @@ def unsupported(impl, case):
 
 
 def _mamba_gated_norm():
-    """Mamba2's gated norm class: ``Mamba2RMSNormGated`` from transformers 5.25 on,
-    ``MambaRMSNormGated`` before."""
+    """Mamba2's gated norm class: ``Mamba2RMSNormGated`` from transformers 5.25 on, ``MambaRMSNormGated`` before."""
     from transformers.models.mamba2 import modeling_mamba2
     return getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
@@ -163,8 +158,7 @@ def _mamba_takes_group_size():
 
 
 def availability(names):
-    """(the implementations of ``names`` that can run, in IMPLS order; {name: why not, with how
-    to install it} for the others)."""
+    """(the implementations of ``names`` that can run, in IMPLS order; {name: why not})."""
     missing = {}
     for name in names:
         why = None
@@ -201,8 +195,7 @@ format_report, format_markdown, write_charts = common.report_functions(
 
 # -- the inputs and the implementations ------------------------------------------------------------
 def make_inputs(torch, case, dtype, device="cuda", seed=0):
-    """x, gate, weight, dy (and ``packed``, the buffer the heads layout's x and gate view) of a
-    case: normal values, the weight around one."""
+    """x, gate, weight (around one), dy and ``packed`` (the heads layout's buffer) of a case."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(*shape):
@@ -220,8 +213,7 @@ def make_inputs(torch, case, dtype, device="cuda", seed=0):
 
 @functools.lru_cache(maxsize=None)
 def composite():
-    """The Hugging Face formula as one torch function: Qwen3NextRMSNormGated's order of casts
-    (norm-gate), Mamba2's MambaRMSNormGated's (gate-norm, groups as it does them)."""
+    """The Hugging Face formula: Qwen3NextRMSNormGated's casts (norm-gate), MambaRMSNormGated's (gate-norm)."""
     import torch
     import torch.nn.functional as F
 
@@ -272,8 +264,7 @@ def _module(impl, case):
 
 
 def torch_forward(torch, impl, case, weight):
-    """(forward(x, gate) -> y, its weight: a leaf that requires grad holding ``weight``'s values)
-    of a torch implementation."""
+    """(forward(x, gate) -> y, its weight as a leaf that requires grad) of a torch implementation."""
     if impl == "torch.compile":
         w = weight.detach().clone().requires_grad_(True)
         compiled = _compiled()
@@ -285,8 +276,7 @@ def torch_forward(torch, impl, case, weight):
 
 
 def _cupy_call(op, case, inputs):
-    """ours_cupy: our functions on CuPy views of the case's torch tensors (the heads layout's
-    through the packed buffer, so the gate stays a strided view)."""
+    """ours_cupy: our functions on CuPy views of the case's torch tensors (the gate stays strided)."""
     import cupy
 
     import cupy_rmsnorm as rn
@@ -313,8 +303,7 @@ def _cupy_call(op, case, inputs):
 
 
 def build(torch, impl, op, case, inputs):
-    """One call of ``impl``'s pass ``op`` on ``case``'s inputs as a zero-argument callable,
-    returning y (fwd) or (dx, dgate, dweight)."""
+    """One call of ``impl``'s pass ``op`` as a zero-argument callable: y (fwd) or (dx, dgate, dweight)."""
     x, gate, weight, dy = (inputs[k] for k in ("x", "gate", "weight", "dy"))
     if impl == "copy":
         return common.device_copy(torch, moved_bytes(op, case, x.element_size()))
@@ -355,8 +344,7 @@ def run(args):
 
 
 def measure_case(torch, args, payload, impls, runners, scratch, bandwidth, counts, case, dtype_name):
-    """Every pass, implementation and mode of one case and dtype: each implementation built, its first
-    call checked, then timed in each mode."""
+    """Every pass, implementation and mode of one case and dtype, each checked, then timed."""
     inputs = make_inputs(torch, case, getattr(torch, dtype_name), "cuda", seed=case.tokens * 7 + case.width)
     torch.cuda.synchronize()            # ready before the runners' streams read them
     where = f"{dtype_name} {describe(case)}"

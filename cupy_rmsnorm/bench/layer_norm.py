@@ -1,9 +1,6 @@
-"""``layer_norm``: the LayerNorm family against its peers on (T, D) rows, in graph and cold
-modes: layer_norm forward, its backward, forward + backward, fused_add_layer_norm and
-layer_norm_modulate (adaLN, one shift / scale row for all tokens). Weight and bias in x's
-dtype, but for the peers that take float32 ones only (quack, FlashInfer): float32 copies of
-the same values. Each implementation's outputs are checked against ours before it is timed
-(err: max |theirs - ours| / max |ours|).
+"""``layer_norm``: the LayerNorm family (forward, backward, forward + backward, fused add, adaLN
+modulate) against its peers on (T, D) rows, in graph and cold modes; float32 weight and bias copies for
+the peers that take only those. Outputs are checked against ours before timing.
 """
 
 import functools
@@ -106,8 +103,7 @@ format_report, format_markdown, write_charts = common.report_functions(
 
 # -- the inputs and the implementations ------------------------------------------------------------
 def make_inputs(torch, shape, dtype, device="cuda", seed=0):
-    """x, residual, dy (T, D); weight around one, bias, shift and scale small, in ``dtype``;
-    weight32 and bias32, float32 copies of the same values."""
+    """x, residual, dy (T, D), weight, bias, shift and scale in ``dtype``; weight32 and bias32 in float32."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(*size, mean=0.0, std=1.0):
@@ -181,8 +177,7 @@ def torch_forward(torch, impl, inputs):
 
 
 def build(torch, impl, op, inputs):
-    """One call of ``impl``'s pass ``op`` as a zero-argument callable, returning y (fwd, modulate),
-    (y, the sum) (fused) or (dx, dweight, dbias)."""
+    """One call of ``impl``'s pass ``op``: y (fwd, modulate), (y, the sum) (fused) or (dx, dweight, dbias)."""
     x, residual, weight, bias, dy, shift, scale = (inputs[k] for k in ("x", "residual", "weight", "bias", "dy",
                                                                       "shift", "scale"))
     if impl == "copy":
@@ -224,8 +219,7 @@ def run(args):
 
 
 def measure_shape(torch, args, payload, impls, runners, scratch, bandwidth, counts, shape, dtype_name):
-    """Every pass, implementation and mode of one shape and dtype: each implementation built, its
-    first call checked against ours, then timed in each mode."""
+    """Every pass, implementation and mode of one shape and dtype, each checked against ours, then timed."""
     inputs = make_inputs(torch, shape, getattr(torch, dtype_name), "cuda", seed=shape[0] * 7 + shape[1])
     torch.cuda.synchronize()            # ready before the runners' streams read them
     where = f"{dtype_name} {describe(shape)}"

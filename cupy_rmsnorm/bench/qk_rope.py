@@ -1,9 +1,6 @@
-"""``qk_rope``: QK norm + RoPE, the attention input of Qwen3 (each head of q and k RMS-normalized
-with its own weight, then rotated, NeoX halves), against its peers, fwd (in place where the
-implementation can) and fwd + bwd through autograd, in graph and cold modes. Cases: TxHQ/HKxD,
-q (T, HQ, D) and k (T, HK, D) views into one packed qkv projection, random positions. Each
-implementation's outputs are checked against a float64 reference before it is timed (err:
-max |theirs - reference| / max |reference|).
+"""``qk_rope``: Qwen3's QK norm + RoPE (each head of q and k RMS-normalized, then rotated, NeoX
+halves) against its peers, fwd (in place where it can be) and fwd + bwd, in graph and cold modes, on
+q and k views into one packed projection. Outputs are checked against a float64 reference first.
 """
 
 import functools
@@ -49,8 +46,7 @@ NEEDS = f"torch with CUDA; liger: {common.INSTALL_HINTS['liger']}; flashinfer: {
 
 
 class Case(NamedTuple):
-    """One problem: ``tokens`` rows of a packed projection holding ``q_heads`` heads of q and
-    ``k_heads`` of k (and of v), each of ``head_dim`` channels."""
+    """One problem: ``tokens`` rows of a packed projection of q, k and v heads of ``head_dim`` channels."""
     tokens: int
     q_heads: int
     k_heads: int
@@ -106,8 +102,7 @@ def cases(args):
 
 
 def moved_bytes(op, case, itemsize):
-    """Bytes ``op`` must move at least (angles and weights left out): ``ARRAYS_MOVED`` arrays of
-    q's and k's size."""
+    """Bytes ``op`` must move at least (angles and weights left out): ``ARRAYS_MOVED`` arrays of q's and k's size."""
     return ARRAYS_MOVED[op] * case.tokens * (case.q_heads + case.k_heads) * case.head_dim * itemsize
 
 
@@ -165,8 +160,7 @@ def head_views(packed, q_heads, k_heads, head_dim):
 
 
 def cos_sin_cache(torch, head_dim, device):
-    """vLLM's table: row p holds cos(p * f) then sin(p * f) over the head_dim / 2 frequencies,
-    computed in float64, stored in float32."""
+    """vLLM's table: row p holds cos(p * f) then sin(p * f), computed in float64, stored in float32."""
     inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
     freqs = torch.arange(MAX_POSITION, dtype=torch.float64, device=device)[:, None] * inv_freq
     return torch.cat([freqs.cos(), freqs.sin()], -1).float()
@@ -192,8 +186,7 @@ def make_inputs(torch, case, dtype, device="cuda", seed=0):
 
 
 def reference(torch, case, inputs, op):
-    """The float64 norm then rotation of the case's inputs (the float32 angles): (q_out, k_out)
-    (fwd) or their gradients (dq, dk, dq_weight, dk_weight) (fwdbwd)."""
+    """The float64 norm then rotation: (q_out, k_out) (fwd) or (dq, dk, dq_weight, dk_weight) (fwdbwd)."""
     cos, sin = inputs["cos32"].double()[:, None], inputs["sin32"].double()[:, None]
     rotate_half = hf_functions().rotate_half
     leaves = [t.double().requires_grad_(op != "fwd")
@@ -212,8 +205,7 @@ def reference(torch, case, inputs, op):
 # -- the implementations ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def hf_functions():
-    """transformers' Qwen3 norm and rotation as written there, on (T, H, D) with cos and sin (T, D),
-    and the composites the peers compile."""
+    """transformers' Qwen3 norm and rotation as written there, and the composites the peers compile."""
     import torch
 
     def rms_norm(x, weight, eps=EPS):
@@ -317,8 +309,7 @@ def torch_compile_differentiable(torch, inputs):
 
 
 def liger_differentiable(torch, inputs):
-    """Liger's norm on each view (new contiguous tensors), then its rope on both in place, as
-    (1, H, T, D); returned as (T, H, D) views."""
+    """Liger's norm on each view, then its rope on both in place as (1, H, T, D); (T, H, D) views back."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.rope import LigerRopeFunction
     cos, sin = inputs["cos"], inputs["sin"]
@@ -414,8 +405,7 @@ def run(args):
 
 
 def measure_case(torch, args, payload, impls, runner, scratch, bandwidth, lib, counts, case, dtype_name):
-    """Every pass, implementation and mode of one case and dtype: each implementation built, its first
-    call checked, then timed in each mode."""
+    """Every pass, implementation and mode of one case and dtype, each checked, then timed."""
     inputs = make_inputs(torch, case, getattr(torch, dtype_name), "cuda", seed=case.tokens * 7 + case.k_heads)
     torch.cuda.synchronize()            # ready before the runner's stream reads them
     where = f"{dtype_name} {describe(case)}"

@@ -44,8 +44,7 @@ def rewind(cache, position):
 
 
 class DecodeStep:
-    """One decode step (``batch`` sequences at position ``context``), as a callable; ``capture()``
-    records it in a CUDA graph, ``time_us(replays)`` times the replays."""
+    """One decode step as a callable; ``capture()`` records it in a CUDA graph, ``time_us`` times replays."""
 
     def __init__(self, model, batch, context, compiled=False):
         import torch
