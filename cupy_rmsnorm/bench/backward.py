@@ -1,7 +1,5 @@
-"""``backward``: the RMSNorm backward alone and forward + backward, ours against the peers
-(F.rms_norm, torch.compile, Liger) and a copy of the same bytes, in graph and cold modes. The
-peers' backward alone is ``torch.autograd.grad`` on one recorded forward; ``agree dx`` / ``agree
-dw``: max |ours - F.rms_norm's| / max |F.rms_norm's|.
+"""``backward``: the RMSNorm backward alone and forward + backward against F.rms_norm, torch.compile,
+Liger and a copy, in graph and cold modes; ``agree dx`` / ``dw``: max |ours - F.rms_norm's| / max |theirs|.
 """
 
 import sys

@@ -41,12 +41,9 @@ INSTALL_HINTS = {
     "flashinfer": "pip install flashinfer-python (its headers) and nvcc on PATH, or --flashinfer",
     "fla": "pip install fla-core (flash-linear-attention's Triton kernels)",
 }
-PEERS_HELP = ("peers: each is used where it is installed, the rest are left out with a note. On top of a\n"
-              "CUDA build of torch, `pip install liger-kernel` adds Liger-Kernel (torch.compile needs the\n"
-              "Triton that Linux torch wheels bring); the e2e and train sub-commands need `pip install\n"
-              "transformers`; the quant and qk_rope sub-commands' FlashInfer peer needs\n"
-              "`pip install flashinfer-python` (only its headers are used) and nvcc on PATH; the gated\n"
-              "sub-command's FLA peers need `pip install fla-core`.")
+PEERS_HELP = ("peers are used where installed, else left out with a note: `pip install liger-kernel` (Liger);\n"
+              "e2e, train: `pip install transformers`; quant, qk_rope: `pip install flashinfer-python` and nvcc;\n"
+              "gated: `pip install fla-core`. torch.compile needs the Triton that Linux torch wheels bring.")
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -558,12 +555,6 @@ def write_report(module, payload, out, name, charts=True, with_json=True):
     return written
 
 
-def save_partial(args, payload):
-    """NAME.json as measured so far, so that a crash later in a run keeps what came before."""
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, args.name + ".json"), payload)
-
-
 def finish_run(module, args, payload, interrupted=False, measured=None):
     """The files written and the report printed; the exit status (an error where nothing was ``measured``)."""
     written = write_report(module, payload, args.out, args.name, charts=not args.no_chart)
@@ -588,7 +579,8 @@ def run_sweep(module, args, payload, started, items, label, measure):
             for dtype in args.dtypes:
                 measure(item, dtype)
             torch.cuda.empty_cache()
-            save_partial(args, payload)
+            os.makedirs(args.out, exist_ok=True)       # NAME.json so far: a crash keeps what came before
+            write_json(os.path.join(args.out, args.name + ".json"), payload)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: saving what was measured")

@@ -1,9 +1,6 @@
 """``e2e``: a random Llama (``--model qwen3``: Qwen3) with HF's norms (``hf``), ours (``ours``,
-``ours_fused``: residual adds fused, ``ours_qk``: Qwen3's q/k norm with the rotation) and Liger's.
-
-Measured (``serving``): a CUDA-graph decode step and a prefill, the variants interleaved round by
-round against drift. Checked: logits and each norm's output against ``hf``, top-1 against the
-model in float32, and the floor of that check (``hf`` with its variance rounded once).
+``ours_fused``: residual adds fused, ``ours_qk``: q/k norm with the rotation) and Liger's: a CUDA-graph
+decode step and a prefill, interleaved round by round; logits and each norm checked against ``hf``.
 """
 
 import argparse
@@ -40,7 +37,7 @@ FAMILIES = {
 HF_NORMS = {f.norm for f in FAMILIES.values()}
 
 VARIANTS = ("hf", "ours", "ours_fused", "ours_qk", "liger")
-VARIANT_TITLES = {
+DESCRIPTIONS = VARIANT_TITLES = {
     "hf": "transformers' RMSNorm of the model, as built",
     "ours": "patch_hf_rmsnorm(model)",
     "ours_fused": "patch_hf_rmsnorm(model, fuse_residual=True)",
@@ -64,7 +61,6 @@ class Skipped(Exception):
     """This variant cannot run here (not installed, no such keyword, no CUDA): reported, not an error."""
 
 
-DESCRIPTIONS = VARIANT_TITLES
 NEEDS = f"torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: {common.INSTALL_HINTS['liger']}"
 
 

@@ -34,7 +34,9 @@ DESCRIPTIONS = {
     "torch_compile": "torch_eager under torch.compile(fullgraph=True), --compile tokens or static",
     "liger": "Liger-Kernel's RMSNorm functions, llama casting",
     "ours_ip": "fused only: ours in place (out=x, residual_out=residual), inputs restored per round",
-    "liger_ip": "fused only: Liger with in_place=True (only its backward is in place)",
+    "liger_ip": "fused only: LigerFusedAddRMSNormFunction with in_place=True, llama casting; that flag "
+                "makes only Liger's backward in place (dy reused for dx): its forward still writes "
+                "new y and residual tensors",
     "copy": "a device copy of the op's bytes: the floor of a memory-bound op",
 }
 

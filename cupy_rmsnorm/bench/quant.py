@@ -1,7 +1,5 @@
-"""``quant``: rms_norm_quant and fused_add_rms_norm_quant (FP8 e4m3 out; static, per-token and
-per-group scales) against FlashInfer (built from its headers by nvcc: ``flashinfer.py``),
-torch.compile of the composite and a copy of the same bytes. ``agree``: the fraction of q's
-bytes equal to the eager composite's.
+"""``quant``: rms_norm_quant and fused_add_rms_norm_quant (FP8 e4m3; static, per-token, per-group
+scales) against FlashInfer (nvcc-built), torch.compile and a copy; ``agree``: q's bytes equal to eager's.
 """
 
 import ctypes

@@ -1,7 +1,5 @@
-"""``train``: a training check. A small random HF Llama with bf16 parameters (and AdamW states)
-trained on random tokens, once as built and once with its norms swapped for ours
-(``patch_hf_rmsnorm``) from the same weights: both loss curves, their largest difference and
-the median step time of each (the first steps left out).
+"""``train``: a small random HF Llama (bf16 parameters) trained with HF's norms and, from the same
+weights, with ours (``patch_hf_rmsnorm``): both loss curves, their largest difference, median step times.
 """
 
 import argparse
