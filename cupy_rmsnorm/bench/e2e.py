@@ -139,10 +139,6 @@ def _cell(value, spec=".3f"):
     return "-" if value is None else format(value, spec)
 
 
-def _range(r, key):
-    return "-" if r[f"{key}_min"] is None else f"{common.fmt_us(r[f'{key}_min'])}-{common.fmt_us(r[f'{key}_max'])}"
-
-
 SERVING_HEADERS = ["measure", "batch", "mode", "variant", "us", "min-max", "vs hf (same mode)", "vs hf compiled"]
 AGREEMENT_HEADERS = ["variant", "top-1 agree", "max abs dlogit", "logits differing", "norm outputs differing",
                      "norm max ulps", "top-1 vs fp32", "max abs vs fp32"]
@@ -152,7 +148,8 @@ AGREEMENT_KEYS = (("top1_agree", ".4f"), ("max_abs_diff", ".3g"), ("logits_diffe
 
 
 def serving_rows(records):
-    return [[r["measure"], str(r["batch"]), r["mode"], r["variant"], common.fmt_us(r["us"]), _range(r, "us"),
+    return [[r["measure"], str(r["batch"]), r["mode"], r["variant"], common.fmt_us(r["us"]),
+             "-" if r["us_min"] is None else f"{common.fmt_us(r['us_min'])}-{common.fmt_us(r['us_max'])}",
              _cell(r["vs_hf"]), _cell(r["vs_hf_compiled"])] for r in records]
 
 

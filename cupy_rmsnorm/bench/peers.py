@@ -185,7 +185,7 @@ def cupy_fused_add_rms_norm(x, residual, weight, eps):
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_functions():
+def torch_functions():
     """The eager torch peers, made once per process."""
     import torch
     import torch.nn.functional as F
@@ -238,7 +238,7 @@ def _compiled_functions(mode):
         options = {}
     else:
         options = {"dynamic": False}
-    eager_rms, eager_fused = _torch_functions()["torch_eager"]
+    eager_rms, eager_fused = torch_functions()["torch_eager"]
     return (torch.compile(eager_rms, fullgraph=True, **options),
             torch.compile(eager_fused, fullgraph=True, **options))
 
@@ -357,7 +357,7 @@ def build(name, case, compile_mode="tokens"):
             if compile_mode == "tokens":
                 _mark_token_axis_dynamic(x, r)
         else:
-            rms_fn, fused_fn = _torch_functions()[name]
+            rms_fn, fused_fn = torch_functions()[name]
         if fused:
             return lambda: fused_fn(x, r, w, EPS)
         return lambda: rms_fn(x, w, EPS)

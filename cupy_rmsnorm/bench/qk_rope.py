@@ -208,12 +208,7 @@ def hf_functions():
     """transformers' Qwen3 norm and rotation as written there, and the composites the peers compile."""
     import torch
 
-    def rms_norm(x, weight, eps=EPS):
-        input_dtype = x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + eps)
-        return weight * h.to(input_dtype)
+    rms_norm = peers.torch_functions()["torch_eager"][0]     # Qwen3RMSNorm's formula is LlamaRMSNorm's
 
     def rotate_half(x):
         x1 = x[..., : x.shape[-1] // 2]
@@ -226,7 +221,7 @@ def hf_functions():
         return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
     def norm_rope(q, k, q_weight, k_weight, cos, sin):
-        return apply_rotary_pos_emb(rms_norm(q, q_weight), rms_norm(k, k_weight), cos, sin)
+        return apply_rotary_pos_emb(rms_norm(q, q_weight, EPS), rms_norm(k, k_weight, EPS), cos, sin)
 
     def norm_rope_in_place(packed, q_weight, k_weight, cos, sin, q_heads, k_heads, head_dim):
         q, k = head_views(packed, q_heads, k_heads, head_dim)
