@@ -1,19 +1,7 @@
-"""Timing primitives: streams, CUDA graphs, the three modes, copy bandwidth, first-call
-latency, and the timing loops the sub-commands and benchmarks/host_overhead.py share
-(``timed_us``, ``host_times``, ``paired_host_ratio``).
-
-Every GPU time here comes from CUDA events recorded on the stream the work runs on (a
-wall clock around an asynchronous launch measures nothing); ``host_times`` is the one
-wall clock, for what calls cost the host. Two runners own a stream each:
-
-- ``CupyRunner`` for callables on CuPy arrays: a non-blocking CuPy stream, graphs from
-  CuPy's stream capture.
-- ``TorchRunner`` for callables on torch tensors: a torch side stream, graphs from
-  ``torch.cuda.CUDAGraph`` (torch's allocator must know about the capture, so that what a
-  callable allocates comes from the graph's private pool).
-
-Events are CuPy events in both cases (recorded on a CuPy view of torch's stream), so
-the three timers below serve both runners.
+"""Timing primitives shared by the sub-commands and benchmarks/host_overhead.py: streams, CUDA graphs,
+the three modes, copy bandwidth, first-call latency. GPU times come from CUDA (CuPy) events on the
+stream the work runs on; ``host_times`` is the one wall clock. ``CupyRunner`` and ``TorchRunner`` own
+a stream each (torch's graphs through ``torch.cuda.CUDAGraph``, so its allocator knows the capture).
 """
 
 import json
@@ -62,8 +50,7 @@ def median(values):
 
 
 def calls_for(nbytes, bandwidth_gbps, lo, hi, target_us=GRAPH_TARGET_US):
-    """How many calls to time together: about ``target_us`` of work at the copy
-    bandwidth (plus ~2 us per call of launch latency), within [lo, hi]."""
+    """How many calls to time together: about ``target_us`` of work at the copy bandwidth (+2 us each), in [lo, hi]."""
     est_us = nbytes / (bandwidth_gbps * 1e3) + 2.0
     return int(max(lo, min(hi, round(target_us / est_us))))
 
@@ -105,13 +92,8 @@ class CupyRunner:
         self.stream.synchronize()
 
     def capture(self, fn, calls):
-        """``calls`` calls of ``fn`` captured in one graph; returns a replay function.
-
-        The callable must have run on this stream before (compiled kernels, warm pool).
-        Arrays it allocates and frees during capture go back to the pool's list for
-        this stream; nothing else allocates on this stream while the graph lives, so
-        the replays scribble only on memory nobody holds.
-        """
+        """``calls`` calls of ``fn`` (already run on this stream) captured in one graph; returns a replay function.
+        Nothing else allocates on this stream while the graph lives, so replays write only memory nobody holds."""
         stream = self.stream
         with stream:
             stream.begin_capture()
@@ -173,8 +155,7 @@ class TorchRunner:
 
 
 def warm_up(runner, fn, calls=WARMUP_CALLS):
-    """Run ``fn`` a few times on the runner's stream (compiles, fills pools); returns
-    the last result."""
+    """Run ``fn`` a few times on the runner's stream (compiles, fills pools); returns the last result."""
     result = None
     with runner.context():
         for _ in range(calls):
@@ -185,8 +166,7 @@ def warm_up(runner, fn, calls=WARMUP_CALLS):
 
 # -- the three modes ---------------------------------------------------------------------
 class _Timer:
-    """One timing round at a time: ``round()`` runs, synchronizes and returns
-    microseconds per call (also kept in ``samples``)."""
+    """One timing round at a time: ``round()`` runs, synchronizes, returns (and keeps) microseconds per call."""
 
     mode = None
 
@@ -252,8 +232,7 @@ class ColdTimer(_Timer):
 
 
 class HotTimer(_Timer):
-    """Back-to-back calls from Python, events around all of them: small shapes show
-    the host cost of a call, large ones the GPU time."""
+    """Back-to-back calls from Python, events around all: small shapes show the host cost, large the GPU time."""
 
     mode = "hot"
 
@@ -272,9 +251,7 @@ class HotTimer(_Timer):
 
 
 class Scratch:
-    """The cold-mode flush: a buffer several times the L2 size, rewritten on demand, then
-    a one-thread kernel that holds the stream for HOLD_NS (it touches no memory, so the L2
-    stays flushed)."""
+    """The cold-mode flush: a buffer several times the L2 rewritten, then a no-memory kernel holding the stream."""
 
     def __init__(self, nbytes=SCRATCH_BYTES, hold_ns=HOLD_NS):
         import cupy
@@ -302,9 +279,7 @@ def make_timer(mode, runner, fn, calls, scratch):
 
 
 def measure(timer, repeats, before_round=None):
-    """Median microseconds per call over ``repeats`` rounds (after one unrecorded round).
-    ``before_round``: run before every round, untimed, on the timer's stream (an in-place
-    implementation restores its inputs there), finished before the round starts."""
+    """Median microseconds per call over ``repeats`` rounds (after one unrecorded); ``before_round`` runs untimed."""
     for i in range(repeats + 1):
         if before_round is not None:
             with timer.runner.event_stream:     # CuPy's current stream: the one the round runs on
@@ -317,8 +292,7 @@ def measure(timer, repeats, before_round=None):
 
 
 def timed_us(runner, fn, mode, calls, repeats, scratch=None):
-    """Median microseconds per call of ``fn`` in ``mode`` (``make_timer``'s: ``calls`` calls
-    a round in graph and hot modes; ``scratch`` flushes the L2 in cold mode), after a warm-up."""
+    """Median microseconds per call of ``fn`` in ``mode`` (``make_timer``'s), after a warm-up."""
     warm_up(runner, fn)
     timer = make_timer(mode, runner, fn, calls, scratch)
     try:
@@ -328,8 +302,7 @@ def timed_us(runner, fn, mode, calls, repeats, scratch=None):
 
 
 def _timed_block(fn, sync, calls, clock):
-    """``calls`` back-to-back calls of ``fn``: (microseconds per call to issue them, and to
-    the end of the ``sync()`` after them)."""
+    """``calls`` back-to-back calls of ``fn``: (us per call to issue them, to the end of ``sync()``)."""
     t0 = clock()
     for _ in range(calls):
         fn()
@@ -340,10 +313,7 @@ def _timed_block(fn, sync, calls, clock):
 
 
 def host_times(fn, sync, calls, repeats, warmup):
-    """The host cost of back-to-back calls, per call in microseconds: after ``warmup``
-    calls, ``repeats`` times ``calls`` calls with a perf_counter around the loop ("host":
-    issuing them) and to the end of the final ``sync()`` ("total": when the GPU is the
-    slower side, its rate). Medians, and every repeat."""
+    """Host cost per call in microseconds (host: issuing; total: to the final ``sync()``): medians, every repeat."""
     for _ in range(warmup):
         fn()
     sync()
@@ -357,11 +327,7 @@ def host_times(fn, sync, calls, repeats, warmup):
 
 
 def paired_host_ratio(fn, other, sync, calls, rounds, warmup, clock=time.perf_counter):
-    """``fn``'s host cost over ``other``'s, measured in alternating blocks of ``calls``
-    back-to-back calls (fn, other, other, fn, fn, other, ...: each one first in half the
-    rounds), so that the machine's drift, which moves single processes by 20-40%, falls
-    on both alike. Returns the median of the per-round ratios, their min and max, and
-    each side's per-call microseconds per round."""
+    """``fn``'s host cost over ``other``'s in alternating blocks, so that the machine's drift falls on both alike."""
     for _ in range(warmup):
         fn()
         other()
@@ -386,10 +352,7 @@ def paired_host_ratio(fn, other, sync, calls, rounds, warmup, clock=time.perf_co
 
 # -- the ceiling ---------------------------------------------------------------------------
 def copy_bandwidth_gbps(nbytes=COPY_BYTES, repeats=10):
-    """The device's copy bandwidth: the faster of a device-to-device cudaMemcpyAsync and a
-    copy kernel with 16-byte elements, over ``nbytes``, counted as read + written bytes.
-
-    Returns (GB/s from the median copy of the faster way, list of its per-copy GB/s)."""
+    """Copy bandwidth (read + written): the faster of cudaMemcpyAsync and a 16-byte copy kernel; (GB/s, samples)."""
     import cupy
     rt = cupy.cuda.runtime
     src = cupy.empty(nbytes, dtype=cupy.uint8)
@@ -422,10 +385,7 @@ def copy_bandwidth_gbps(nbytes=COPY_BYTES, repeats=10):
 
 # -- first call in a fresh process ------------------------------------------------------------
 def first_call_child(op, dtype, tokens, hidden):
-    """Run in the fresh process: the first two calls of ``op``, each timed up to a device
-    synchronize (the first: kernel source, NVRTC compile or disk-cache load, module load,
-    launch). Inputs are uploaded from the host, so no CuPy kernel compiles before the clock
-    starts. Prints the two times in seconds as a JSON list."""
+    """In the fresh process: the first two calls of ``op``, each timed to a synchronize; prints them as JSON."""
     import cupy
     import numpy as np
 
@@ -454,8 +414,7 @@ FIRST_CALL_CODE = ("import sys; from cupy_rmsnorm.bench.timing import first_call
 
 
 def first_call_env(cache_dir, package_root, base_env=None):
-    """The environment of the fresh process: its own CuPy kernel cache, this source tree
-    first on the path, CuPy's in-memory-only cache off."""
+    """The fresh process's environment: its own CuPy kernel cache, this source tree first on the path."""
     env = dict(os.environ if base_env is None else base_env)
     env["CUPY_CACHE_DIR"] = cache_dir
     env.pop("CUPY_CACHE_IN_MEMORY", None)
@@ -479,8 +438,7 @@ def _first_call_once(cache_dir, op, dtype, tokens, hidden, timeout):
 
 
 def first_call_latency(op, dtype="bfloat16", tokens=4096, hidden=4096, timeout=600):
-    """First-call time of ``op`` in a fresh process, with an empty kernel cache and then
-    with the cache that run left behind. Milliseconds."""
+    """First-call milliseconds of ``op`` in a fresh process, with an empty kernel cache, then with the one it left."""
     with tempfile.TemporaryDirectory(prefix="cupy_rmsnorm_kcache_") as cache:
         cold = _first_call_once(cache, op, dtype, tokens, hidden, timeout)
         warm = _first_call_once(cache, op, dtype, tokens, hidden, timeout)
