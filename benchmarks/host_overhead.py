@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy_rmsnorm as rn  # noqa: E402
-from cupy_rmsnorm.bench import common  # noqa: E402
+from cupy_rmsnorm.bench import common, report  # noqa: E402
 from cupy_rmsnorm.bench.timing import host_times, paired_host_ratio  # noqa: E402
 
 # (ours, torch's way of doing the same): compared in alternating blocks
@@ -209,7 +209,7 @@ def main(argv=None):
     if args.out:
         meta = common.run_metadata("host_overhead", device, shape=[args.rows, args.hidden], dtype=args.dtype,
                                    calls=args.calls, repeats=args.repeats, warmup=args.warmup, rounds=args.rounds)
-        common.write_json(args.out, {"meta": meta, "results": results, "paired": paired})
+        report.write_json(args.out, {"meta": meta, "results": results, "paired": paired})
         print(f"\nwrote {args.out}")
 
 

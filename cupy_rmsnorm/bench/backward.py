@@ -5,7 +5,7 @@ Liger and a copy, in graph and cold modes; ``agree dx`` / ``dw``: max |ours - F.
 import sys
 import time
 
-from . import common
+from . import common, report
 
 SUMMARY = "the backward alone and forward + backward against the peers (training)"
 IMPLS = ("ours", "F.rms_norm", "torch.compile", "liger", "copy")
@@ -28,16 +28,16 @@ def add_arguments(p):
 
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "agree dx", "agree dw"]
-CSV_COLUMNS = {**dict.fromkeys(("dtype", "rows", "hidden", "phase", "mode")), **common.time_columns(IMPLS),
+CSV_COLUMNS = {**dict.fromkeys(("dtype", "rows", "hidden", "phase", "mode")), **report.time_columns(IMPLS),
                "agree_dx": ".3e", "agree_dw": ".3e"}
 
 
 def table_rows(results):
-    return [[f"{r['rows']}x{r['hidden']}", *common.timing_cells(r["us"], IMPLS, PEERS), f"{r['agree_dx']:.2e}",
+    return [[f"{r['rows']}x{r['hidden']}", *report.timing_cells(r["us"], IMPLS, PEERS), f"{r['agree_dx']:.2e}",
              f"{r['agree_dw']:.2e}"] for r in results]
 
 
-REPORT = common.SectionedReport(heading="Backward", note="", headers=HEADERS, left=(0,), rows=table_rows,
+REPORT = report.SectionedReport(heading="Backward", note="", headers=HEADERS, left=(0,), rows=table_rows,
                                 op_titles={p: p for p in PHASES}, modes=MODES, peers=PEERS, op_key="phase")
 
 

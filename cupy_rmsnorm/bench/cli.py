@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from . import backward, common, e2e, forward, gated, layer_norm, qk_rope, quant, timing, train
+from . import backward, common, e2e, forward, gated, layer_norm, qk_rope, quant, report, timing, train
 
 SUBCOMMANDS = {"forward": forward, "backward": backward, "quant": quant, "gated": gated, "qk_rope": qk_rope,
                "layer_norm": layer_norm, "e2e": e2e, "train": train}
@@ -89,10 +89,10 @@ def replot(module, args):
     """--replot: the report of a saved run printed, its Markdown, CSV and charts written."""
     args.replot = common.report_path(args.replot)
     try:
-        payload = common.load_json(args.replot)
+        payload = report.load_json(args.replot)
         command = payload["meta"]["command"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"{common.PROG} {args.command}: cannot read {args.replot} as a report: {common.error_text(e)}",
+        print(f"{common.PROG} {args.command}: cannot read {args.replot} as a report: {report.error_text(e)}",
               file=sys.stderr)
         return common.EXIT_ERROR
     if command != args.command:
@@ -103,6 +103,6 @@ def replot(module, args):
     # named after the report's file (e2e_qwen3.json: e2e_qwen3.md), so two replots never collide
     name = args.name_given or os.path.splitext(os.path.basename(args.replot))[0]
     for path in common.write_report(module, payload, args.out, name, charts=not args.no_chart, with_json=False):
-        common.log(f"wrote {path}")
+        report.log(f"wrote {path}")
     common.warn_if_dirty(payload["meta"])
     return common.EXIT_OK

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from . import common, peers, serving
+from . import common, peers, report, serving
 
 SUMMARY = "a whole Llama- or Qwen3-shaped model's decode step and prefill, with HF's, our and Liger's norms"
 
@@ -148,8 +148,8 @@ AGREEMENT_KEYS = (("top1_agree", ".4f"), ("max_abs_diff", ".3g"), ("logits_diffe
 
 
 def serving_rows(records):
-    return [[r["measure"], str(r["batch"]), r["mode"], r["variant"], common.fmt_us(r["us"]),
-             "-" if r["us_min"] is None else f"{common.fmt_us(r['us_min'])}-{common.fmt_us(r['us_max'])}",
+    return [[r["measure"], str(r["batch"]), r["mode"], r["variant"], report.fmt_us(r["us"]),
+             "-" if r["us_min"] is None else f"{report.fmt_us(r['us_min'])}-{report.fmt_us(r['us_max'])}",
              _cell(r["vs_hf"]), _cell(r["vs_hf_compiled"])] for r in records]
 
 
@@ -184,7 +184,7 @@ def _report(payload, markdown=False):
         sections.append(("agreement with hf on one teacher-forced forward: logits, and each norm on hf's own input",
                          AGREEMENT_HEADERS, agreement_rows(payload), (0,), floor_line(payload)))
     intro = [describe(meta), "medians and min-max over rounds; vs hf below 1: faster than with HF's norms"]
-    return common.render_report(payload, "End to end", intro, sections, markdown) + (
+    return report.render_report(payload, "End to end", intro, sections, markdown) + (
         "" if sections else "\nnothing was measured")
 
 
@@ -235,7 +235,7 @@ def apply_liger_rms_norm(model, family):
         import liger_kernel.transformers as liger
         patch = getattr(liger, family.liger_patch)
     except Exception as e:  # noqa: BLE001 - not installed, or Triton missing
-        raise Skipped(f"liger_kernel is not importable ({common.error_text(e)})") from None
+        raise Skipped(f"liger_kernel is not importable ({report.error_text(e)})") from None
     modeling = importlib.import_module(family.modeling)
     saved = getattr(modeling, family.norm)
     try:
@@ -270,7 +270,7 @@ def make_variant(name, base, device, family):
             if not any(k in str(e) for k in keywords):
                 raise
             raise Skipped(f"this cupy_rmsnorm's patch_hf_rmsnorm has no {', '.join(keywords)} keyword "
-                          f"({common.error_text(e)})") from None
+                          f"({report.error_text(e)})") from None
         if name == "ours_qk" and not any(getattr(m, "_cupy_rmsnorm_qk_rope", None) for m in model.modules()):
             raise RuntimeError("fuse_qk_rope rewrote no attention module")
     if not replaced:
@@ -378,7 +378,7 @@ def agreement_floor(base, ids, reference, calls, exact):
     return dict(floor, reimplementation_max_abs_diff=float((same - reference).abs().max()))
 
 
-log = common.log
+log = report.log
 
 
 def run(args):
@@ -442,7 +442,7 @@ def check_agreement(args, payload, base, models):
             exact = float32_logits(base, ids)
             payload["agreement"][BASELINE] = vs_float32(reference, exact)
         except Exception as e:  # noqa: BLE001 - a float32 copy may not fit: the run goes on without it
-            payload["notes"].append(f"no agreement with the float32 model: {common.error_text(e)}")
+            payload["notes"].append(f"no agreement with the float32 model: {report.error_text(e)}")
     for name in [n for n in models if n != BASELINE]:
         try:
             payload["agreement"][name] = agreement(models[name], ids, reference, calls, exact)

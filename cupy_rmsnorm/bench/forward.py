@@ -7,9 +7,19 @@ import functools
 import sys
 import time
 
-from . import common, peers, timing
-from .common import fmt_num, fmt_us, geomean
-from .peers import COPY, DESCRIPTIONS, IMPLS, IN_PLACE, IN_PLACE_PEERS, OP_TITLES, OPS, OURS, PEERS
+from . import common, peers, report, timing
+from .peers import (
+    COPY,
+    DESCRIPTIONS,
+    IMPLS,
+    IN_PLACE,
+    IN_PLACE_PEERS,
+    OP_TITLES,
+    OPS,
+    OURS,
+    PEERS,
+)
+from .report import fmt_num, fmt_us, geomean
 from .timing import MODE_TITLES, MODES
 
 SUMMARY = "rms_norm and fused_add_rms_norm against their peers (the default)"
@@ -178,7 +188,7 @@ def intro(payload):
 
 
 def format_report(payload, markdown=False):
-    return common.render_report(payload, "Forward", intro(payload), sections(payload.get("results", [])), markdown)
+    return report.render_report(payload, "Forward", intro(payload), sections(payload.get("results", [])), markdown)
 
 
 format_markdown = functools.partial(format_report, markdown=True)
@@ -259,7 +269,7 @@ def run(args):
         if bar is not None:
             bar.write(msg, file=sys.stderr)   # above the bar
         else:
-            common.log(msg)
+            report.log(msg)
 
     device = common.gpu_device()
     log(f"{common.PROG} forward on {device['gpu']} ({device['sm_count']} SMs)")
@@ -309,7 +319,7 @@ def measure_first_calls(args, log):
             out.append(timing.first_call_latency(op, args.dtypes[0], tokens, hidden))
         except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
             out.append({"op": op, "dtype": args.dtypes[0], "tokens": tokens, "hidden": hidden,
-                        "error": common.error_text(e)})
+                        "error": report.error_text(e)})
     return out
 
 
@@ -344,7 +354,7 @@ class Sweep:
                     case.release()
 
     def _error(self, where, e, quiet=False):
-        text = e if isinstance(e, str) else common.error_text(e)
+        text = e if isinstance(e, str) else report.error_text(e)
         self.errors.append({"where": where, "error": text, **({"skipped": True} if quiet else {})})
         if not quiet:
             self.log(f"error: {where}: {text}")

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import NamedTuple, Optional
 
-from . import common, peers
+from . import common, peers, report
 
 SUMMARY = "the gated RMSNorm (Gated DeltaNet, Mamba2) against FLA, torch.compile and HF, forward and backward"
 IMPLS = ("ours", "ours_cupy", "fla", "fla_grouped", "torch.compile", "hf", "copy")
@@ -111,7 +111,7 @@ def add_arguments(p):
 def finish_args(args, parser):
     common.resolve_defaults(args, DEFAULTS, QUICK)
     if isinstance(args.heads[0], list):              # one list per --heads spec
-        args.heads = common.unique(s for spec in args.heads for s in spec)
+        args.heads = report.unique(s for spec in args.heads for s in spec)
     if not cases(args):
         parser.error("no case to measure: no --group-sizes divides a --shapes hidden size")
 
@@ -177,15 +177,15 @@ def availability(names):
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["shape", "group", "order", *IMPLS, "ours / best", "ours / copy", "max err"]
 CSV_COLUMNS = {**dict.fromkeys(("op", "mode", "dtype", *Case._fields, "bytes")),
-               **common.time_columns(IMPLS, checked=IMPLS[:-1])}
+               **report.time_columns(IMPLS, checked=IMPLS[:-1])}
 
 
 def table_rows(results):
-    return [[shape_text(case_of(r)), r["group_size"] or "-", r["order"], *common.timing_cells(r["us"], IMPLS, PEERS),
-             common.worst_err(r)] for r in results]
+    return [[shape_text(case_of(r)), r["group_size"] or "-", r["order"], *report.timing_cells(r["us"], IMPLS, PEERS),
+             report.worst_err(r)] for r in results]
 
 
-REPORT = common.SectionedReport(heading="Gated RMSNorm", note=NOTE, headers=HEADERS, left=(0, 2), rows=table_rows,
+REPORT = report.SectionedReport(heading="Gated RMSNorm", note=NOTE, headers=HEADERS, left=(0, 2), rows=table_rows,
                                 op_titles=OP_TITLES, modes=MODES, peers=PEERS)
 
 

@@ -8,7 +8,7 @@ import inspect
 import sys
 import time
 
-from . import common, peers
+from . import common, peers, report
 
 SUMMARY = ("LayerNorm (forward, backward, fused add, adaLN modulate) against F.layer_norm, torch.compile, Liger, "
            "quack and FlashInfer")
@@ -85,15 +85,15 @@ def unsupported(impl, op, dtype_name):
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "max err"]
 CSV_COLUMNS = {**dict.fromkeys(("op", "mode", "dtype", "tokens", "hidden", "bytes")),
-               **common.time_columns(IMPLS, checked=IMPLS[:-1])}
+               **report.time_columns(IMPLS, checked=IMPLS[:-1])}
 
 
 def table_rows(results):
-    return [[f"{r['tokens']}x{r['hidden']}", *common.timing_cells(r["us"], IMPLS, PEERS), common.worst_err(r)]
+    return [[f"{r['tokens']}x{r['hidden']}", *report.timing_cells(r["us"], IMPLS, PEERS), report.worst_err(r)]
             for r in results]
 
 
-REPORT = common.SectionedReport(heading="LayerNorm", note=NOTE, headers=HEADERS, left=(0,), rows=table_rows,
+REPORT = report.SectionedReport(heading="LayerNorm", note=NOTE, headers=HEADERS, left=(0,), rows=table_rows,
                                 op_titles=OP_TITLES, modes=MODES, peers=PEERS)
 
 

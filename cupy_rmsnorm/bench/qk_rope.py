@@ -10,7 +10,7 @@ import time
 import types
 from typing import NamedTuple
 
-from . import common, peers
+from . import common, peers, report
 
 SUMMARY = "QK norm + RoPE (Qwen3's attention input) against torch.compile, Liger and FlashInfer, fwd and fwd + bwd"
 IMPLS = ("ours", "ours_unfused", "torch_compile", "liger", "flashinfer", "copy")
@@ -133,17 +133,17 @@ def availability(names):
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "ours / unfused", "max err"]
 CSV_COLUMNS = {**dict.fromkeys(("op", "mode", "dtype", *Case._fields, "bytes")),
-               **common.time_columns(IMPLS, checked=IMPLS[:-1])}
+               **report.time_columns(IMPLS, checked=IMPLS[:-1])}
 
 
 def table_rows(results):
     def unfused(us):
-        return common.fmt_num(us["ours"] / us["ours_unfused"] if us.get("ours") and us.get("ours_unfused") else None, 3)
-    return [[describe(case_of(r)), *common.timing_cells(r["us"], IMPLS, PEERS), unfused(r["us"]), common.worst_err(r)]
+        return report.fmt_num(us["ours"] / us["ours_unfused"] if us.get("ours") and us.get("ours_unfused") else None, 3)
+    return [[describe(case_of(r)), *report.timing_cells(r["us"], IMPLS, PEERS), unfused(r["us"]), report.worst_err(r)]
             for r in results]
 
 
-REPORT = common.SectionedReport(heading="QK norm + RoPE", note=NOTE, headers=HEADERS, left=(0,), rows=table_rows,
+REPORT = report.SectionedReport(heading="QK norm + RoPE", note=NOTE, headers=HEADERS, left=(0,), rows=table_rows,
                                 op_titles=OP_TITLES, modes=MODES, peers=PEERS)
 
 
@@ -384,7 +384,7 @@ def run(args):
     impls, missing = availability(["ours"] + list(args.peers))
     lib = None
     if "flashinfer" in impls:
-        common.log(f"qk_rope on {device['gpu']}: preparing FlashInfer's rope ...")
+        report.log(f"qk_rope on {device['gpu']}: preparing FlashInfer's rope ...")
         lib, why = flashinfer.library(args.flashinfer, device["compute_capability"].replace(".", ""), flashinfer.ROPE)
         if lib is None:
             impls.remove("flashinfer")

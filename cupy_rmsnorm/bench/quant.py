@@ -7,7 +7,7 @@ import functools
 import sys
 import time
 
-from . import common
+from . import common, report
 
 SUMMARY = "the quantized forms (FP8) against FlashInfer, torch.compile and a copy"
 CASES = ("static", "per_token", "per_group", "fused static", "fused per_token", "fused per_group")
@@ -48,17 +48,17 @@ def moved_bytes(case, rows, hidden, itemsize=2):
 
 # -- the report ----------------------------------------------------------------------------------
 HEADERS = ["shape", *IMPLS, "ours / best", "ours / copy", "ours GB/s", "agree"]
-CSV_COLUMNS = {**dict.fromkeys(("case", "dtype", "mode", "rows", "hidden", "bytes")), **common.time_columns(IMPLS),
+CSV_COLUMNS = {**dict.fromkeys(("case", "dtype", "mode", "rows", "hidden", "bytes")), **report.time_columns(IMPLS),
                "agree": ".6f"}
 
 
 def table_rows(results):
-    return [[f"{r['rows']}x{r['hidden']}", *common.timing_cells(r["us"], IMPLS, PEERS),
+    return [[f"{r['rows']}x{r['hidden']}", *report.timing_cells(r["us"], IMPLS, PEERS),
              f"{r['bytes'] / (r['us']['ours'] * 1e3):.0f}" if r["us"].get("ours") else "-",
              "-" if r.get("agree") is None else f"{r['agree']:.5f}"] for r in results]
 
 
-REPORT = common.SectionedReport(heading="Quantized forms (FP8 e4m3)", note=BYTES_NOTE, headers=HEADERS, left=(0,),
+REPORT = report.SectionedReport(heading="Quantized forms (FP8 e4m3)", note=BYTES_NOTE, headers=HEADERS, left=(0,),
                                 rows=table_rows, op_titles={c: c for c in CASES}, modes=MODES, peers=PEERS,
                                 op_key="case")
 
@@ -141,7 +141,7 @@ def run(args):
     torch._dynamo.config.cache_size_limit = 256
     device = common.gpu_device()
     arch = device["compute_capability"].replace(".", "")
-    common.log(f"quant on {device['gpu']}: preparing FlashInfer's kernels ...")
+    report.log(f"quant on {device['gpu']}: preparing FlashInfer's kernels ...")
     lib, fi_why = flashinfer.library(args.flashinfer, arch)
     payload, runners, scratch, bandwidth = common.start_run(
         "quant", args, impls=[i for i in IMPLS if i != "flashinfer" or lib], missing={"flashinfer": fi_why} if lib is None

@@ -7,7 +7,7 @@ On a CPU (the smoke test) there is no graph and the host clock times. The transf
 
 import inspect
 
-from . import common
+from . import report
 
 STEP_MODES = ("eager", "compiled")
 WARMUP = 3                 # calls before capture: compiles, cuBLAS workspaces, lazy cache allocation
@@ -165,7 +165,7 @@ def summarize(samples, baselines=("hf",)):
     by_key = {}
     for s in samples:
         by_key.setdefault(tuple(s["key"]), []).append(s["us"])
-    rows = [{"measure": measure, "mode": mode, "batch": batch, "variant": variant, "us": common.spread(values)}
+    rows = [{"measure": measure, "mode": mode, "batch": batch, "variant": variant, "us": report.spread(values)}
             for (measure, mode, batch, variant), values in by_key.items()]
     for row in rows:
         def median_of(mode, variant):

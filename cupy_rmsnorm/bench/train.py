@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 
-from . import common
+from . import common, report
 
 SUMMARY = "a training check: a small Llama trained with HF's norms and with ours"
 VARIANTS = ("hf", "ours")
@@ -75,7 +75,7 @@ def summary(payload):
 def _report(payload, markdown=False):
     rows = table_rows(payload)
     sections = [("losses, every tenth step and the last", HEADERS, rows, (), None)] if rows else []
-    return common.render_report(payload, "Training check", summary(payload), sections, markdown)
+    return report.render_report(payload, "Training check", summary(payload), sections, markdown)
 
 
 format_report, format_markdown = _report, functools.partial(_report, markdown=True)
@@ -168,10 +168,10 @@ def run(args):
             losses, times = train(torch, model, batches, args.lr)
             payload["results"].append({"variant": name, "losses": losses, "step_s": times,
                                        "median_step_ms": 1e3 * statistics.median(times[WARMUP_STEPS:] or times)})
-            common.log(f"{name}: final loss {losses[-1]:.4f}, median step {payload['results'][-1]['median_step_ms']:.1f} ms")
+            report.log(f"{name}: final loss {losses[-1]:.4f}, median step {payload['results'][-1]['median_step_ms']:.1f} ms")
     except KeyboardInterrupt:
         interrupted = True
-        common.log("interrupted: saving what was measured")
+        report.log("interrupted: saving what was measured")
     _, pairs = _losses(payload)
     payload["max_abs_loss_diff"] = max((abs(a - b) for a, b in pairs), default=None)
     payload["meta"]["seconds"] = time.perf_counter() - started

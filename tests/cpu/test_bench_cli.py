@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import ROOT, child_env
 
-from cupy_rmsnorm.bench import cli, common, peers, timing
+from cupy_rmsnorm.bench import cli, common, peers, report, timing
 
 COMMANDS = ("forward", "backward", "quant", "e2e", "train", "gated", "qk_rope")
 RESULTS = os.path.join(ROOT, common.COMMITTED_RESULTS)
@@ -184,21 +184,21 @@ def test_every_report_records_commit_date_and_dirty_and_warns_loudly_when_dirty(
     monkeypatch.setattr(common, "git_state", lambda path: ("c" * 40, True))
     meta = common.run_metadata(command, {"gpu": "G"})
     assert meta["commit"] == "c" * 40 and meta["dirty"] is True and len(meta["date"]) >= 19
-    assert meta["warning"] == common.DIRTY_WARNING
-    assert common.DIRTY_WARNING in common.format_header(meta)
-    payload = common.load_json(os.path.join(RESULTS, f"{command}.json"))     # a real report, restamped
+    assert meta["warning"] == report.DIRTY_WARNING
+    assert report.DIRTY_WARNING in report.format_header(meta)
+    payload = report.load_json(os.path.join(RESULTS, f"{command}.json"))     # a real report, restamped
     payload["meta"].update(common.provenance())
     no_chart = ["--no-chart"] if command != "e2e" else []
     args = cli.parse_args([command, "--out", str(tmp_path), "--name", "r"] + no_chart)
     common.finish_run(module, args, payload)
     err = capsys.readouterr().err
-    assert common.DIRTY_WARNING in err
+    assert report.DIRTY_WARNING in err
     assert cli.main([command, "--replot", str(tmp_path / "r.json"), "--out", str(tmp_path / "re")] + no_chart) == 0
-    assert common.DIRTY_WARNING in capsys.readouterr().err
+    assert report.DIRTY_WARNING in capsys.readouterr().err
     monkeypatch.setattr(common, "git_state", lambda path: ("c" * 40, False))
     clean = common.run_metadata(command, {"gpu": "G"})
     assert clean["dirty"] is False and "warning" not in clean
-    assert common.DIRTY_WARNING not in common.format_header(clean)
+    assert report.DIRTY_WARNING not in report.format_header(clean)
 
 
 def test_git_state_only_of_the_checkout_holding_the_library(tmp_path):
@@ -209,9 +209,9 @@ def test_git_state_only_of_the_checkout_holding_the_library(tmp_path):
 
 def test_timing_cells_compare_ours_with_the_best_peer_and_the_copy():
     us = {"ours": 10.0, "a": 20.0, "b": 12.5, "c": None, "copy": 8.0}
-    assert common.timing_cells(us, list(us), ("a", "b", "c")) == ["10.00", "20.00", "12.50", "-", "8.00", "0.800",
+    assert report.timing_cells(us, list(us), ("a", "b", "c")) == ["10.00", "20.00", "12.50", "-", "8.00", "0.800",
                                                                    "1.250"]
-    assert common.best_peer_summary([{"us": us}, {"us": dict(us, ours=40.0)}], ("a", "b")).startswith(
+    assert report.best_peer_summary([{"us": us}, {"us": dict(us, ours=40.0)}], ("a", "b")).startswith(
         "geomean ours / best peer: 1.600 over 2 cases")
 
 
@@ -230,10 +230,10 @@ def test_results_hold_the_current_reports_only():
     assert set(COMMANDS) <= set(REPORT_TEXT)
 
 
-@pytest.mark.parametrize("report", REPORT_TEXT)
-def test_each_committed_report_records_its_commit_or_says_why_not(report):
-    meta = common.load_json(os.path.join(RESULTS, f"{report}.json"))["meta"]
-    assert report == meta["command"] or report.startswith(meta["command"] + "_"), report
+@pytest.mark.parametrize("name", REPORT_TEXT)
+def test_each_committed_report_records_its_commit_or_says_why_not(name):
+    meta = report.load_json(os.path.join(RESULTS, f"{name}.json"))["meta"]
+    assert name == meta["command"] or name.startswith(meta["command"] + "_"), name
     assert meta["device"]["gpu"] == "NVIDIA H200"
     if meta["commit"] is None:
         assert "predates commit recording" in meta["note"]
@@ -245,17 +245,17 @@ def committed_serving_rows(text, columns):
     return [{k: row[k] for k in columns} for row in csv.DictReader(io.StringIO(text)) if row["measure"] != "generate"]
 
 
-@pytest.mark.parametrize("report", REPORT_TEXT)
-def test_replot_of_each_committed_report(report, tmp_path, capsys):
-    """--replot prints the report's tables and writes its Markdown and CSV (the CSV the very file
+@pytest.mark.parametrize("name", REPORT_TEXT)
+def test_replot_of_each_committed_report(name, tmp_path, capsys):
+    """--replot prints the name's tables and writes its Markdown and CSV (the CSV the very file
     committed beside the JSON); it never writes the JSON."""
-    path = os.path.join(RESULTS, f"{report}.json")
-    command = common.load_json(path)["meta"]["command"]
+    path = os.path.join(RESULTS, f"{name}.json")
+    command = report.load_json(path)["meta"]["command"]
     assert cli.main([command, "--replot", path, "--out", str(tmp_path), "--name", "re"]
                     + (["--no-chart"] if command != "e2e" else [])) == 0
     out = capsys.readouterr().out
-    assert all(text in out for text in REPORT_TEXT[report]), out[:2000]
-    with open(os.path.join(RESULTS, f"{report}.csv"), encoding="utf-8") as f:
+    assert all(text in out for text in REPORT_TEXT[name]), out[:2000]
+    with open(os.path.join(RESULTS, f"{name}.csv"), encoding="utf-8") as f:
         committed = f.read()
     replotted = (tmp_path / "re.csv").read_text(encoding="utf-8")
     if command == "e2e":
@@ -284,12 +284,12 @@ def test_replot_resolves_a_repository_path_from_any_folder(tmp_path, monkeypatch
 def test_replots_of_two_reports_of_one_subcommand_do_not_overwrite_each_other(tmp_path, capsys):
     """The files of a replot are named after the report's file: e2e.json and e2e_qwen3.json
     (both e2e reports) give e2e.* and e2e_qwen3.*, side by side; --name still wins."""
-    for report in ("e2e", "e2e_qwen3"):
-        assert cli.main(["e2e", "--replot", os.path.join(RESULTS, f"{report}.json"), "--out", str(tmp_path)]) == 0
+    for name in ("e2e", "e2e_qwen3"):
+        assert cli.main(["e2e", "--replot", os.path.join(RESULTS, f"{name}.json"), "--out", str(tmp_path)]) == 0
     assert sorted(os.listdir(tmp_path)) == ["e2e.csv", "e2e.md", "e2e_qwen3.csv", "e2e_qwen3.md"]
     assert "Qwen3" in (tmp_path / "e2e_qwen3.md").read_text() and "Qwen3" not in (tmp_path / "e2e.md").read_text()
     source = tmp_path / "saved.json"
-    source.write_text(json.dumps(common.load_json(os.path.join(RESULTS, "train.json"))))
+    source.write_text(json.dumps(report.load_json(os.path.join(RESULTS, "train.json"))))
     assert cli.main(["train", "--replot", str(source), "--no-chart", "--out", str(tmp_path / "n")]) == 0
     assert cli.main(["train", "--replot", str(source), "--no-chart", "--out", str(tmp_path / "n"), "--name", "t"]) == 0
     assert sorted(os.listdir(tmp_path / "n")) == ["saved.csv", "saved.md", "t.csv", "t.md"]

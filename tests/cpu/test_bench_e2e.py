@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from cupy_rmsnorm.bench import cli, common, e2e, serving
+from cupy_rmsnorm.bench import cli, common, e2e, report, serving
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_TRANSFORMERS = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
@@ -76,11 +76,11 @@ def test_bad_arguments_are_usage_errors(argv, needle, capsys):
 
 
 def test_spread():
-    s = common.spread([5.0, 1.0, 3.0, 2.0, 4.0])
+    s = report.spread([5.0, 1.0, 3.0, 2.0, 4.0])
     assert s == {"median": 3.0, "min": 1.0, "max": 5.0, "q1": 2.0, "q3": 4.0, "n": 5}
-    assert common.spread([2.5]) == {"median": 2.5, "min": 2.5, "max": 2.5, "q1": 2.5, "q3": 2.5, "n": 1}
-    assert common.spread([1.0, None, 3.0])["median"] == 2.0
-    assert common.spread([]) is None
+    assert report.spread([2.5]) == {"median": 2.5, "min": 2.5, "max": 2.5, "q1": 2.5, "q3": 2.5, "n": 1}
+    assert report.spread([1.0, None, 3.0])["median"] == 2.0
+    assert report.spread([]) is None
 
 
 def test_budget():

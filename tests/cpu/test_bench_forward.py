@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from cupy_rmsnorm.bench import cli, common, forward, peers, timing
+from cupy_rmsnorm.bench import cli, common, forward, peers, report, timing
 
 PLAN = {"variant": "block", "vec": 8, "threads_per_row": 256, "vecs_per_thread": 2,
         "rows_per_block": 1, "block": 256, "grid": 4096}
@@ -207,7 +207,7 @@ def test_csv_has_every_field_and_the_flattened_plan(tmp_path):
     records = [rec("ours", 2.0), rec("liger", 4.0, plan=None), rec("ours", 1.5, mode="hot")]
     records[1]["plan"] = None
     path = tmp_path / "r.csv"
-    common.write_csv(path, *common.csv_of(forward.csv_records({"results": records})))
+    report.write_csv(path, *report.csv_of(forward.csv_records({"results": records})))
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3
@@ -224,10 +224,10 @@ def test_json_round_trip_with_non_finite_values(tmp_path):
     payload = {"meta": {"command": "forward", "copy_GBps": 4000.0}, "first_call": [], "results": records,
                "errors": []}
     path = tmp_path / "r.json"
-    common.write_json(path, payload)
+    report.write_json(path, payload)
     text = path.read_text()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    back = common.load_json(path)
+    back = report.load_json(path)
     assert back["meta"]["copy_GBps"] == 4000.0 and back["results"][0]["plan"] == PLAN
     assert back["results"][0]["max_abs_err"] == "nan"
     assert back["results"][0]["us"] == 2.0

@@ -13,7 +13,7 @@ import sys
 import pytest
 from helpers import child_env
 
-from cupy_rmsnorm.bench import cli, common, gated, timing
+from cupy_rmsnorm.bench import cli, common, gated, report, timing
 
 HEADS_CASE = gated.Case("heads", 4096, 32, 128, None, "norm-gate")
 ROWS_CASE = gated.Case("rows", 16384, 1, 8192, 1024, "norm-gate")
@@ -286,7 +286,7 @@ def test_charts_are_pngs(tmp_path):
 
 def test_replot_of_a_saved_report(tmp_path, capsys):
     saved = tmp_path / "run.json"
-    common.write_json(str(saved), sample())
+    report.write_json(str(saved), sample())
     out = tmp_path / "out"
     assert cli.main(["gated", "--replot", str(saved), "--out", str(out), "--name", "re", "--no-chart"]) == 0
     text = capsys.readouterr().out
@@ -298,7 +298,7 @@ def test_replot_of_a_saved_report(tmp_path, capsys):
 
 def test_replot_refuses_another_subcommands_report(tmp_path, capsys):
     other = tmp_path / "b.json"
-    common.write_json(str(other), dict(sample(), meta={"command": "backward"}))
+    report.write_json(str(other), dict(sample(), meta={"command": "backward"}))
     assert cli.main(["gated", "--replot", str(other), "--out", str(tmp_path)]) == common.EXIT_ERROR
     assert f"is a backward report: cupy-rmsnorm-bench backward --replot {other}" in capsys.readouterr().err
 

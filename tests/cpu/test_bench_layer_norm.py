@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from cupy_rmsnorm.bench import cli, common, layer_norm, timing
+from cupy_rmsnorm.bench import cli, common, layer_norm, report, timing
 
 
 # -- arguments and shapes ----------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_charts_are_pngs(tmp_path):
 
 def test_replot_of_a_saved_report(tmp_path, capsys):
     saved = tmp_path / "run.json"
-    common.write_json(str(saved), sample())
+    report.write_json(str(saved), sample())
     assert cli.main(["layer_norm", "--replot", str(saved), "--out", str(tmp_path / "out"), "--no-chart"]) == 0
     assert capsys.readouterr().out == layer_norm.format_report(json.loads(saved.read_text())) + "\n"
     assert sorted(os.listdir(tmp_path / "out")) == ["run.csv", "run.md"]

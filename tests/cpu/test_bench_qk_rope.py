@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, child_env
 
-from cupy_rmsnorm.bench import cli, common, flashinfer, qk_rope, timing
+from cupy_rmsnorm.bench import cli, common, flashinfer, qk_rope, report, timing
 
 QWEN3_8B = qk_rope.Case(4096, 32, 8, 128)
 SMALL = qk_rope.Case(5, 4, 2, 16)
@@ -326,7 +326,7 @@ def test_charts_are_pngs(tmp_path):
 
 def test_replot_of_a_saved_report(tmp_path, capsys):
     saved = tmp_path / "run.json"
-    common.write_json(str(saved), made_up_payload())
+    report.write_json(str(saved), made_up_payload())
     out = tmp_path / "out"
     assert cli.main(["qk_rope", "--replot", str(saved), "--out", str(out), "--name", "re", "--no-chart"]) == 0
     text = capsys.readouterr().out
@@ -334,7 +334,7 @@ def test_replot_of_a_saved_report(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["re.csv", "re.md"]
     assert (out / "re.md").read_text() == qk_rope.format_markdown(made_up_payload())
     other = tmp_path / "g.json"
-    common.write_json(str(other), dict(made_up_payload(), meta={"command": "gated"}))
+    report.write_json(str(other), dict(made_up_payload(), meta={"command": "gated"}))
     assert cli.main(["qk_rope", "--replot", str(other), "--out", str(out)]) == common.EXIT_ERROR
     assert f"is a gated report: cupy-rmsnorm-bench gated --replot {other}" in capsys.readouterr().err
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cupy_rmsnorm.bench import cli, common, train
+from cupy_rmsnorm.bench import cli, common, report, train
 
 
 def payload(steps=12):
@@ -59,7 +59,7 @@ def test_a_tiny_run_on_the_cpu(tmp_path, capsys):
     """The whole path of a run, the hf variant alone (ours needs CUDA): model, steps, report."""
     assert cli.main(["train", "--device", "cpu", "--steps", "3", "--layers", "1", "--hidden", "64", "--batch", "1",
                      "--seq", "16", "--no-chart", "--out", str(tmp_path)]) == 0
-    saved = common.load_json(tmp_path / "train.json")
+    saved = report.load_json(tmp_path / "train.json")
     (hf,) = saved["results"]
     assert hf["variant"] == "hf" and len(hf["losses"]) == len(hf["step_s"]) == 3 and hf["median_step_ms"] > 0
     assert saved["skipped"] == {"ours": "needs CUDA (--device cpu)"} and saved["meta"]["config"]["hidden"] == 64
