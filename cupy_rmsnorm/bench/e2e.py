@@ -11,6 +11,7 @@ import functools
 import importlib
 import importlib.metadata
 import itertools
+import os
 import sys
 import time
 from typing import NamedTuple
@@ -69,7 +70,8 @@ class Skipped(Exception):
 
 
 NEEDS = (f"torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: "
-         f"{common.INSTALL_HINTS['liger']}; kernelized, hf_kernels: pip install kernels (hf_kernels: and the Hub)")
+         f"{common.INSTALL_HINTS['liger']}; kernelized, hf_kernels: pip install kernels (hf_kernels: and the Hub, "
+         f"or --hf-kernels-repo)")
 
 
 def add_arguments(p):
@@ -99,6 +101,10 @@ def add_arguments(p):
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
                    help="start no compile and no round that would end past S seconds from the start")
     p.add_argument("--seed", type=int, default=0, help="weights and token ids")
+    p.add_argument("--hf-kernels-repo", metavar="PATH",
+                   help="hf_kernels: load the layer that transformers' RMSNorm entry names (its layer name and "
+                        "modes kept) from this local kernel repository (a copy of the Hub one, as `hf download` "
+                        "gives it) instead of the Hub; the report records the path")
     # "cpu": the hf variant alone, to smoke the harness without a GPU
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
 
@@ -116,6 +122,12 @@ def finish_args(args, p):
         p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if BASELINE not in args.variants:       # every comparison is against it
         args.variants = [BASELINE] + args.variants
+    if args.hf_kernels_repo is not None:
+        if "hf_kernels" not in args.variants:
+            p.error("--hf-kernels-repo is for the hf_kernels variant: name it in --variants")
+        if not os.path.isdir(args.hf_kernels_repo):
+            p.error(f"--hf-kernels-repo {args.hf_kernels_repo}: not a directory")
+        args.hf_kernels_repo = os.path.abspath(args.hf_kernels_repo)
 
 
 requirements_missing = common.transformers_missing
@@ -309,21 +321,47 @@ def hf_kernel_repository(entry, device):
     if repos is None:
         return f"no {device} repository"
     repo = next(iter(repos.values())) if isinstance(repos, dict) else repos
-    fields = [getattr(repo, name, None) for name in ("repo_id", "layer_name")]
+    fields = [getattr(repo, name, None) or getattr(repo, "_" + name, None) for name in ("repo_id", "layer_name")]
     version = getattr(repo, "_version", None) or getattr(repo, "version", None)
     return " ".join(str(f) for f in fields if f) + (f" (version {version})" if version else "") or repr(repo)
 
 
-def kernelize_hf_default(model, device):
+def hf_kernel_local_entry(entry, device, repo_path):
+    """``entry`` (transformers' mapping's: device -> repository, or device -> {mode: repository}) for
+    ``device`` alone, each repository replaced by a ``kernels.LocalLayerRepository`` of ``repo_path``
+    with its layer name: the same layer and modes, loaded from a local copy instead of the Hub."""
+    kernels = _kernels_for_transformers()
+    from pathlib import Path
+    repos = entry.get(device)
+    if repos is None:
+        raise Skipped(f"transformers' {HF_KERNEL_LAYER} entry has no {device} repository to take from {repo_path}")
+
+    def local(repo):
+        return kernels.LocalLayerRepository(repo_path=Path(repo_path), layer_name=repo.layer_name)
+    return {device: {mode: local(repo) for mode, repo in repos.items()} if isinstance(repos, dict) else local(repos)}
+
+
+def hf_kernel_source(device, repo_path=None):
+    """What the hf_kernels variant loads, for the report: the repository of transformers' entry, or
+    the local path that stands in for it."""
+    hub = hf_kernel_repository(hf_kernel_entry(), device)
+    return hub if repo_path is None else f"the local copy {repo_path}, in place of the Hub's {hub}"
+
+
+def kernelize_hf_default(model, device, repo_path=None):
     """The model as ``from_pretrained(..., use_kernels=True)`` gives its norms: ``kernels.kernelize``
     in inference mode (an eval model's) with the RMSNorm entry of transformers' own mapping alone (the
     full mapping also swaps rotary_pos_emb and SiLU for Hub kernels: the variant compares norms). The
-    layer is fetched from the Hub; where that fails (no network, no build for this torch) the variant
+    layer is fetched from the Hub, or with ``repo_path`` loaded from that local kernel repository
+    (same layer name and modes); where that fails (no network, no build for this torch) the variant
     is Skipped with the error. Returns how many modules it swapped (all of them HF norms)."""
     kernels = _kernels_for_transformers()
     from cupy_rmsnorm.hf import _unmapped_layers_quiet
     entry = hf_kernel_entry()
     where = hf_kernel_repository(entry, device)
+    if repo_path is not None:
+        entry = hf_kernel_local_entry(entry, device, repo_path)
+        where = f"{where}, from the local copy {repo_path}"
     try:
         with kernels.use_kernel_mapping({HF_KERNEL_LAYER: entry}, inherit_mapping=False), _unmapped_layers_quiet():
             kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=device, use_fallback=True)
@@ -343,8 +381,9 @@ def kernelize_hf_default(model, device):
 PATCH_KEYWORDS = {"ours": {}, "ours_fused": {"fuse_residual": True}, "ours_qk": {"fuse_qk_rope": True}}
 
 
-def make_variant(name, base, device, family):
-    """(model, number of norm modules replaced) of one variant."""
+def make_variant(name, base, device, family, hf_kernels_repo=None):
+    """(model, number of norm modules replaced) of one variant (hf_kernels: from the local kernel
+    repository ``hf_kernels_repo`` where given)."""
     if name == BASELINE:
         return base, 0
     if name == "ours_qk" and not family.qk_norms:
@@ -357,7 +396,7 @@ def make_variant(name, base, device, family):
     elif name == "kernelized":
         replaced = kernelize_ours(model)
     elif name == "hf_kernels":
-        replaced = kernelize_hf_default(model, device)
+        replaced = kernelize_hf_default(model, device, hf_kernels_repo)
     else:
         from cupy_rmsnorm.torch import patch_hf_rmsnorm
         keywords = PATCH_KEYWORDS[name]
@@ -492,7 +531,8 @@ def run(args):
         repeats=args.repeats, agree_tokens=args.agree_tokens, agree_batch=AGREE_BATCH,
         variants={v: VARIANT_TITLES[v] for v in args.variants}, step_modes=args.step_modes,
         step_batches=args.step_batches, context=args.context, prefill=args.prefill, replays=args.replays,
-        norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s)
+        norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s,
+        **({"hf_kernels_repo": args.hf_kernels_repo} if args.hf_kernels_repo else {}))
     payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}}
     interrupted = False
     try:
@@ -516,7 +556,7 @@ def measure_all(args, payload, elapsed, deadline):
     models, replaced = {}, {}
     for name in args.variants:
         try:
-            models[name], replaced[name] = make_variant(name, base, args.device, family)
+            models[name], replaced[name] = make_variant(name, base, args.device, family, args.hf_kernels_repo)
         except Skipped as e:
             payload["skipped"][name] = str(e)
             log(f"skipped: {name}: {e}")
@@ -524,7 +564,7 @@ def measure_all(args, payload, elapsed, deadline):
             common.record_error(payload, f"patch {name}", e)
     meta["replaced_norms"] = replaced
     if "hf_kernels" in models:
-        meta["hf_kernels_layer"] = hf_kernel_repository(hf_kernel_entry(), args.device)
+        meta["hf_kernels_layer"] = hf_kernel_source(args.device, args.hf_kernels_repo)
     check_agreement(args, payload, base, models)
 
     if "compiled" in args.step_modes:

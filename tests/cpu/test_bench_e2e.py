@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 
@@ -66,6 +67,8 @@ def test_flags_choose_variants_modes_sizes():
     (["--step-batches", "1,0"], "expected a positive integer"),
     (["--dtype", "int8"], "unknown dtype"),
     (["--repeats", "0"], "positive integer"),
+    (["--hf-kernels-repo", "."], "for the hf_kernels variant"),
+    (["--variants", "hf_kernels", "--hf-kernels-repo", "/nonexistent/liger-kernels"], "not a directory"),
 ])
 def test_bad_arguments_are_usage_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -464,3 +467,102 @@ def test_a_cpu_run_naming_the_kernels_variants_skips_them_as_ours(tmp_path):
     payload = json.loads((tmp_path / "e2e.json").read_text())
     assert payload["skipped"] == {"kernelized": "needs CUDA (--device cpu)", "hf_kernels": "needs CUDA (--device cpu)"}
     assert set(payload["meta"]["variants"]) == {"hf", "kernelized", "hf_kernels"} and not payload["errors"]
+
+
+# -- --hf-kernels-repo: the hf_kernels layer from a local kernel repository instead of the Hub ---------------
+LOCAL_LAYER = '''
+import torch
+
+
+class {layer}(torch.nn.Module):                 # stateless, as the Hub's: HF's norm arithmetic, in torch
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+'''
+
+
+def _local_kernel_repository(root, layer):
+    """A kernel repository directory as ``hf download`` gives one (build/<variant>/metadata.json and the
+    package), its layer ``layer`` torch-only; metadata.json with the fields kernels 0.16 and 0.19 require.
+    Returns (its path, the kernel's module name)."""
+    variant = root / "build" / "torch-universal"
+    (variant / "e2e_test_norms").mkdir(parents=True)
+    (variant / "e2e_test_norms" / "__init__.py").write_text("from . import layers\n")
+    (variant / "e2e_test_norms" / "layers.py").write_text(LOCAL_LAYER.format(layer=layer))
+    module_id = f"_e2e_test_norms_{root.parent.name}_{layer}".replace("-", "_")   # kernels caches kernels by id
+    (variant / "metadata.json").write_text(json.dumps({
+        "id": module_id, "name": "e2e-test-norms", "version": 1, "license": "Apache-2.0", "python-depends": [],
+        "backend": {"type": "cuda"}}))
+    return str(root), module_id
+
+
+def test_hf_kernels_repo_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "liger").mkdir()
+    assert parse_args(["--variants", "hf_kernels", "--hf-kernels-repo", "liger"]).hf_kernels_repo == \
+        str(tmp_path / "liger")
+    assert parse_args([]).hf_kernels_repo is None
+
+
+def test_hf_kernels_loads_transformers_layer_from_the_local_repository(tmp_path, monkeypatch):
+    _kernels_or_skip()
+    _as_if_on_an_h100(monkeypatch)
+    import torch
+    entry = e2e.hf_kernel_entry()
+    repos = entry.get("cuda")
+    if repos is None:
+        pytest.skip("transformers' RMSNorm entry has no cuda repository")
+    by_mode = isinstance(repos, dict)             # kernels 0.11+: {mode: repository}; older: the repository
+    layer = (next(iter(repos.values())) if by_mode else repos).layer_name
+    path, module_id = _local_kernel_repository(tmp_path / "repo", layer)
+    local = e2e.hf_kernel_local_entry(entry, "cuda", path)      # the entry's modes and layer name, the local path
+    assert set(local) == {"cuda"} and isinstance(local["cuda"], dict) == by_mode
+    assert not by_mode or set(local["cuda"]) == set(repos)
+    for repo in (local["cuda"].values() if by_mode else [local["cuda"]]):
+        assert repo.layer_name == layer and str(repo._repo_path) == path
+
+    model = _tiny_model()
+    ids = e2e.token_ids(parse_args(TINY + ["--device", "cpu"]), 2, 8, offset=2)
+    local_model, replaced = e2e.make_variant("hf_kernels", model, "cuda", LLAMA, hf_kernels_repo=path)
+    assert replaced == 2 * 2 + 1
+    swapped = e2e.kernelized_modules(local_model)
+    assert set(swapped) == {p for p, m in model.named_modules() if e2e.is_hf_norm(m)}   # the norms, all of them
+    assert {m.forward.__func__.__module__ for m in swapped.values()} == {f"{module_id}.layers"}
+    assert not e2e.kernelized_modules(model)
+    assert torch.equal(e2e.logits_of(local_model, ids), e2e.logits_of(model, ids))   # HF's arithmetic, copied
+    source = e2e.hf_kernel_source("cuda", path)
+    assert source.startswith(f"the local copy {path}, in place of the Hub's ") and layer in source
+
+
+def test_hf_kernels_from_a_local_repository_without_the_layer_is_skipped_with_the_path(tmp_path, monkeypatch):
+    _kernels_or_skip()
+    _as_if_on_an_h100(monkeypatch)
+    path, _ = _local_kernel_repository(tmp_path / "repo", "SomeOtherNorm")
+    model = _tiny_model()
+    with pytest.raises(e2e.Skipped, match=re.escape(f"from the local copy {path}) could not be loaded")):
+        e2e.kernelize_hf_default(model, "cuda", path)
+    assert not e2e.kernelized_modules(model)
+
+
+@requires_transformers
+def test_a_cpu_run_records_the_local_repository(tmp_path):
+    (tmp_path / "repo").mkdir()
+    argv = TINY + ["--device", "cpu", "--repeats", "1", "--variants", "hf_kernels",
+                   "--hf-kernels-repo", str(tmp_path / "repo"), "--out", str(tmp_path)]
+    assert cli.main(["e2e"] + argv) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["meta"]["hf_kernels_repo"] == str(tmp_path / "repo")
+    assert payload["skipped"] == {"hf_kernels": "needs CUDA (--device cpu)"} and not payload["errors"]
+
+
+def test_the_report_names_the_local_copy():
+    payload = _serving_payload()
+    payload["meta"].update(replaced_norms={"hf_kernels": 5}, hf_kernels_layer="the local copy /x/liger, in place "
+                           "of the Hub's kernels-community/liger-kernels LigerRMSNorm (version 4)")
+    assert "hf_kernels 5 (hf_kernels: the local copy /x/liger, in place of the Hub's" in e2e.format_report(payload)
