@@ -1,13 +1,17 @@
 """``e2e``: a random Llama (``--model qwen3``: Qwen3) with HF's norms (``hf``), ours (``ours``,
-``ours_fused``: residual adds fused, ``ours_qk``: q/k norm with the rotation) and Liger's: a CUDA-graph
-decode step and a prefill, interleaved round by round; logits and each norm checked against ``hf``.
+``ours_fused``: residual adds fused, ``ours_qk``: q/k norm with the rotation, ``kernelized``: through
+``cupy_rmsnorm.hf.kernelize``), transformers' Hub kernel for its norms (``hf_kernels``, Liger's) and
+Liger's: a CUDA-graph decode step and a prefill, interleaved round by round; logits and each norm
+checked against ``hf``.
 """
 
 import argparse
 import copy
 import functools
 import importlib
+import importlib.metadata
 import itertools
+import os
 import sys
 import time
 from typing import NamedTuple
@@ -36,15 +40,19 @@ FAMILIES = {
 }
 HF_NORMS = {f.norm for f in FAMILIES.values()}
 
-VARIANTS = ("hf", "ours", "ours_fused", "ours_qk", "liger")
+VARIANTS = ("hf", "ours", "ours_fused", "ours_qk", "kernelized", "hf_kernels", "liger")
 DESCRIPTIONS = VARIANT_TITLES = {
     "hf": "transformers' RMSNorm of the model, as built",
     "ours": "patch_hf_rmsnorm(model)",
     "ours_fused": "patch_hf_rmsnorm(model, fuse_residual=True)",
     "ours_qk": "patch_hf_rmsnorm(model, fuse_qk_rope=True) (Qwen3)",
+    "kernelized": "cupy_rmsnorm.hf.kernelize(model, mode='inference') (kernels' kernelize, our mapping)",
+    "hf_kernels": "kernels' kernelize with the RMSNorm entry of transformers' use_kernels mapping "
+                  "(a Liger layer from the Hub; use_kernels also swaps rotary and SiLU)",
     "liger": "Liger-Kernel's RMSNorm only (apply_liger_kernel_to_*(rms_norm=True), no other patch)",
 }
 BASELINE = "hf"
+OPT_IN = ("kernelized", "hf_kernels")   # run when named: the published runs predate them, hf_kernels fetches
 EPS = 1e-6
 VOCAB = 32000
 AGREE_BATCH = 4              # sequences of --agree-tokens in the teacher-forced forward
@@ -61,7 +69,9 @@ class Skipped(Exception):
     """This variant cannot run here (not installed, no such keyword, no CUDA): reported, not an error."""
 
 
-NEEDS = f"torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: {common.INSTALL_HINTS['liger']}"
+NEEDS = (f"torch with CUDA and transformers ({common.INSTALL_HINTS['transformers']}); liger: "
+         f"{common.INSTALL_HINTS['liger']}; kernelized, hf_kernels: pip install kernels (hf_kernels: and the Hub, "
+         f"or --hf-kernels-repo)")
 
 
 def add_arguments(p):
@@ -77,8 +87,8 @@ def add_arguments(p):
     p.add_argument("--dtype", type=common.argparse_type(common.parse_dtype), default="bfloat16",
                    help="the model's dtype: bf16, fp16 or fp32")
     p.add_argument("--variants", type=common.comma_list(str.lower, VARIANTS, "variant"),
-                   help=f"a list of {', '.join(VARIANTS)} (default: all the model has; hf always runs, as the "
-                        "reference)")
+                   help=f"a list of {', '.join(VARIANTS)} (default: all the model has but {' and '.join(OPT_IN)}; "
+                        "hf always runs, as the reference)")
     p.add_argument("--agree-tokens", type=positive,
                    help="tokens of the teacher-forced forward that checks the logits (--quick: 256)")
     p.add_argument("--step-modes", type=common.comma_list(str.lower, serving.STEP_MODES, "step mode"),
@@ -91,6 +101,10 @@ def add_arguments(p):
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
                    help="start no compile and no round that would end past S seconds from the start")
     p.add_argument("--seed", type=int, default=0, help="weights and token ids")
+    p.add_argument("--hf-kernels-repo", metavar="PATH",
+                   help="hf_kernels: load the layer that transformers' RMSNorm entry names (its layer name and "
+                        "modes kept) from this local kernel repository (a copy of the Hub one, as `hf download` "
+                        "gives it) instead of the Hub; the report records the path")
     # "cpu": the hf variant alone, to smoke the harness without a GPU
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
 
@@ -101,13 +115,19 @@ def finish_args(args, p):
     if args.intermediate is None:
         args.intermediate = family.intermediate
     if args.variants is None:
-        args.variants = [v for v in VARIANTS if v != "ours_qk" or family.qk_norms]
+        args.variants = [v for v in VARIANTS if v not in OPT_IN and (v != "ours_qk" or family.qk_norms)]
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if BASELINE not in args.variants:       # every comparison is against it
         args.variants = [BASELINE] + args.variants
+    if args.hf_kernels_repo is not None:
+        if "hf_kernels" not in args.variants:
+            p.error("--hf-kernels-repo is for the hf_kernels variant: name it in --variants")
+        if not os.path.isdir(args.hf_kernels_repo):
+            p.error(f"--hf-kernels-repo {args.hf_kernels_repo}: not a directory")
+        args.hf_kernels_repo = os.path.abspath(args.hf_kernels_repo)
 
 
 requirements_missing = common.transformers_missing
@@ -184,6 +204,10 @@ def _report(payload, markdown=False):
         sections.append(("agreement with hf on one teacher-forced forward: logits, and each norm on hf's own input",
                          AGREEMENT_HEADERS, agreement_rows(payload), (0,), floor_line(payload)))
     intro = [describe(meta), "medians and min-max over rounds; vs hf below 1: faster than with HF's norms"]
+    replaced = {name: n for name, n in (meta.get("replaced_norms") or {}).items() if n}
+    if replaced:
+        intro.append("norm modules replaced: " + ", ".join(f"{name} {n}" for name, n in replaced.items())
+                     + (f" (hf_kernels: {meta['hf_kernels_layer']})" if meta.get("hf_kernels_layer") else ""))
     return report.render_report(payload, "End to end", intro, sections, markdown) + (
         "" if sections else "\nnothing was measured")
 
@@ -246,12 +270,120 @@ def apply_liger_rms_norm(model, family):
     return sum(m._get_name() == "LigerRMSNorm" for m in model.modules())
 
 
+def _kernels_for_transformers():
+    """The ``kernels`` package, where transformers marks its modules for it; else Skipped, with why."""
+    try:
+        import kernels
+    except ImportError as e:
+        raise Skipped(f"the kernels package is not importable ({report.error_text(e)}; pip install kernels)") from None
+    from transformers.utils import is_kernels_available
+    if not is_kernels_available():     # then its use_kernel_forward_from_hub marks nothing
+        import transformers
+        raise Skipped(f"transformers {transformers.__version__} does not take kernels "
+                      f"{importlib.metadata.version('kernels')} (it accepts kernels in a version window of its own)")
+    return kernels
+
+
+def kernelized_modules(model):
+    """{module path: module} of the modules whose forward ``kernels.kernelize`` swapped (an instance
+    forward other than their class's)."""
+    return {path: m for path, m in model.named_modules()
+            if getattr(m.__dict__.get("forward"), "__func__", type(m).forward) is not type(m).forward}
+
+
+def kernelize_ours(model):
+    """``cupy_rmsnorm.hf.kernelize(model, mode="inference")``; returns how many norm modules it swapped."""
+    _kernels_for_transformers()
+    from cupy_rmsnorm import hf
+    hf.kernelize(model, mode="inference")
+    ours = {layer.forward for layer in (hf.RMSNorm, hf.RMSNormGated, hf.RMSNormZeroCentered)}
+    swapped = kernelized_modules(model)
+    if any(m.forward.__func__ not in ours for m in swapped.values()):
+        raise RuntimeError(f"kernelize swapped modules to layers not ours: {sorted(swapped)}")
+    return len(swapped)
+
+
+HF_KERNEL_LAYER = "RMSNorm"     # the entry of transformers' mapping that the hf_kernels variant takes
+
+
+def hf_kernel_entry():
+    """The RMSNorm entry of transformers' default kernel mapping (``use_kernels=True``'s)."""
+    from transformers.integrations import hub_kernels
+    entry = hub_kernels.get_kernel_mapping_transformers().get(HF_KERNEL_LAYER)
+    if not entry:
+        raise Skipped(f"transformers' kernel mapping has no {HF_KERNEL_LAYER} entry")
+    return entry
+
+
+def hf_kernel_repository(entry, device):
+    """'repo_id layer_name (version)' of ``device``'s repository in one entry of transformers' mapping."""
+    repos = entry.get(device)
+    if repos is None:
+        return f"no {device} repository"
+    repo = next(iter(repos.values())) if isinstance(repos, dict) else repos
+    fields = [getattr(repo, name, None) or getattr(repo, "_" + name, None) for name in ("repo_id", "layer_name")]
+    version = getattr(repo, "_version", None) or getattr(repo, "version", None)
+    return " ".join(str(f) for f in fields if f) + (f" (version {version})" if version else "") or repr(repo)
+
+
+def hf_kernel_local_entry(entry, device, repo_path):
+    """``entry`` (transformers' mapping's: device -> repository, or device -> {mode: repository}) for
+    ``device`` alone, each repository replaced by a ``kernels.LocalLayerRepository`` of ``repo_path``
+    with its layer name: the same layer and modes, loaded from a local copy instead of the Hub."""
+    kernels = _kernels_for_transformers()
+    from pathlib import Path
+    repos = entry.get(device)
+    if repos is None:
+        raise Skipped(f"transformers' {HF_KERNEL_LAYER} entry has no {device} repository to take from {repo_path}")
+
+    def local(repo):
+        return kernels.LocalLayerRepository(repo_path=Path(repo_path), layer_name=repo.layer_name)
+    return {device: {mode: local(repo) for mode, repo in repos.items()} if isinstance(repos, dict) else local(repos)}
+
+
+def hf_kernel_source(device, repo_path=None):
+    """What the hf_kernels variant loads, for the report: the repository of transformers' entry, or
+    the local path that stands in for it."""
+    hub = hf_kernel_repository(hf_kernel_entry(), device)
+    return hub if repo_path is None else f"the local copy {repo_path}, in place of the Hub's {hub}"
+
+
+def kernelize_hf_default(model, device, repo_path=None):
+    """The model as ``from_pretrained(..., use_kernels=True)`` gives its norms: ``kernels.kernelize``
+    in inference mode (an eval model's) with the RMSNorm entry of transformers' own mapping alone (the
+    full mapping also swaps rotary_pos_emb and SiLU for Hub kernels: the variant compares norms). The
+    layer is fetched from the Hub, or with ``repo_path`` loaded from that local kernel repository
+    (same layer name and modes); where that fails (no network, no build for this torch) the variant
+    is Skipped with the error. Returns how many modules it swapped (all of them HF norms)."""
+    kernels = _kernels_for_transformers()
+    from cupy_rmsnorm.hf import _unmapped_layers_quiet
+    entry = hf_kernel_entry()
+    where = hf_kernel_repository(entry, device)
+    if repo_path is not None:
+        entry = hf_kernel_local_entry(entry, device, repo_path)
+        where = f"{where}, from the local copy {repo_path}"
+    try:
+        with kernels.use_kernel_mapping({HF_KERNEL_LAYER: entry}, inherit_mapping=False), _unmapped_layers_quiet():
+            kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=device, use_fallback=True)
+    except Exception as e:  # noqa: BLE001 - the Hub out of reach, no build of the kernel for this torch or GPU
+        raise Skipped(f"transformers' {HF_KERNEL_LAYER} kernel ({where}) could not be loaded: "
+                      f"{report.error_text(e)}") from None
+    swapped = kernelized_modules(model)
+    if not swapped:
+        raise Skipped(f"kernels' kernelize swapped no module for transformers' {HF_KERNEL_LAYER} ({where})")
+    others = sorted(path for path, m in swapped.items() if not is_hf_norm(m))
+    if others:
+        raise RuntimeError(f"transformers' {HF_KERNEL_LAYER} mapping swapped modules that are not norms: {others}")
+    return len(swapped)
+
+
 # the keywords of patch_hf_rmsnorm each of our variants passes
 PATCH_KEYWORDS = {"ours": {}, "ours_fused": {"fuse_residual": True}, "ours_qk": {"fuse_qk_rope": True}}
 
 
-def make_variant(name, base, device, family):
-    """(model, number of norm modules replaced) of one variant."""
+def make_variant(name, base, device, family, hf_kernels_repo=None):
+    """(model, number of norm modules replaced) of one variant (hf_kernels: from the local kernel
+    repository ``hf_kernels_repo`` where given)."""
     if name == BASELINE:
         return base, 0
     if name == "ours_qk" and not family.qk_norms:
@@ -261,6 +393,10 @@ def make_variant(name, base, device, family):
     model = shared_weight_copy(base)
     if name == "liger":
         replaced = apply_liger_rms_norm(model, family)
+    elif name == "kernelized":
+        replaced = kernelize_ours(model)
+    elif name == "hf_kernels":
+        replaced = kernelize_hf_default(model, device, hf_kernels_repo)
     else:
         from cupy_rmsnorm.torch import patch_hf_rmsnorm
         keywords = PATCH_KEYWORDS[name]
@@ -395,7 +531,8 @@ def run(args):
         repeats=args.repeats, agree_tokens=args.agree_tokens, agree_batch=AGREE_BATCH,
         variants={v: VARIANT_TITLES[v] for v in args.variants}, step_modes=args.step_modes,
         step_batches=args.step_batches, context=args.context, prefill=args.prefill, replays=args.replays,
-        norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s)
+        norm_weights=f"1 + N(0, {NORM_WEIGHT_STD})", budget_s=args.budget_s,
+        **({"hf_kernels_repo": args.hf_kernels_repo} if args.hf_kernels_repo else {}))
     payload = {"meta": meta, "skipped": {}, "errors": [], "notes": [], "agreement": {}}
     interrupted = False
     try:
@@ -419,13 +556,15 @@ def measure_all(args, payload, elapsed, deadline):
     models, replaced = {}, {}
     for name in args.variants:
         try:
-            models[name], replaced[name] = make_variant(name, base, args.device, family)
+            models[name], replaced[name] = make_variant(name, base, args.device, family, args.hf_kernels_repo)
         except Skipped as e:
             payload["skipped"][name] = str(e)
             log(f"skipped: {name}: {e}")
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
             common.record_error(payload, f"patch {name}", e)
     meta["replaced_norms"] = replaced
+    if "hf_kernels" in models:
+        meta["hf_kernels_layer"] = hf_kernel_source(args.device, args.hf_kernels_repo)
     check_agreement(args, payload, base, models)
 
     if "compiled" in args.step_modes:

@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 
@@ -31,7 +32,7 @@ def test_defaults_are_an_8_layer_llama_in_bf16():
     args = parse_args([])
     assert (args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads) == (8, 4096, 14336, 32, 8)
     assert args.dtype == "bfloat16" and args.repeats == 5
-    assert args.variants == ["hf", "ours", "ours_fused", "liger"]
+    assert args.variants == ["hf", "ours", "ours_fused", "liger"]       # kernelized, hf_kernels: when named
     assert args.step_modes == ["eager", "compiled"] and args.step_batches == [1, 64]
     assert (args.context, args.prefill, args.replays) == (512, 2048, 50)
     assert args.budget_s is None and args.device == "cuda"
@@ -66,6 +67,8 @@ def test_flags_choose_variants_modes_sizes():
     (["--step-batches", "1,0"], "expected a positive integer"),
     (["--dtype", "int8"], "unknown dtype"),
     (["--repeats", "0"], "positive integer"),
+    (["--hf-kernels-repo", "."], "for the hf_kernels variant"),
+    (["--variants", "hf_kernels", "--hf-kernels-repo", "/nonexistent/liger-kernels"], "not a directory"),
 ])
 def test_bad_arguments_are_usage_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -338,3 +341,228 @@ def test_a_norm_with_the_mean_in_float64_differs_from_float32_in_the_variance_on
     var64 = h.double().pow(2).mean(-1, keepdim=True).float()
     want64 = module.weight * (h.float() * torch.rsqrt(var64 + 1e-6)).to(h.dtype)
     assert torch.equal(e2e._hf_norm_with_mean_in(torch.float64, module, h), want64)
+
+
+# -- the kernels variants: kernelized (cupy_rmsnorm.hf.kernelize), hf_kernels (transformers' mapping) -----------
+def test_the_kernels_variants_parse_and_need_cuda():
+    assert parse_args(["--variants", "kernelized,hf_kernels"]).variants == ["hf", "kernelized", "hf_kernels"]
+    assert parse_args(["--model", "qwen3", "--variants", "hf_kernels,ours_qk"]).variants == \
+        ["hf", "hf_kernels", "ours_qk"]
+    assert {"kernelized", "hf_kernels"} <= set(e2e.VARIANT_TITLES) and set(e2e.VARIANT_TITLES) == set(e2e.VARIANTS)
+    for name in ("kernelized", "hf_kernels"):
+        with pytest.raises(e2e.Skipped, match="needs CUDA"):
+            e2e.make_variant(name, Tree(), "cpu", LLAMA)
+
+
+def _kernels_or_skip():
+    if not HAVE_TRANSFORMERS or importlib.util.find_spec("kernels") is None:
+        pytest.skip("needs torch, transformers and kernels (not installed)")
+    from transformers.utils import is_kernels_available
+    if not is_kernels_available():
+        pytest.skip("this transformers does not take the installed kernels")
+    import kernels
+    return kernels
+
+
+def test_without_kernels_both_variants_are_skipped_with_the_install_hint(monkeypatch):
+    if not HAVE_TRANSFORMERS:
+        pytest.skip("needs torch and transformers (not installed)")
+    monkeypatch.setitem(sys.modules, "kernels", None)
+    for name in ("kernelized", "hf_kernels"):
+        with pytest.raises(e2e.Skipped, match=r"kernels package is not importable .*pip install kernels"):
+            e2e.make_variant(name, Tree(), "cuda", LLAMA)
+
+
+def test_kernelized_swaps_every_norm_to_our_layers_with_patch_hf_rmsnorms_logits():
+    _kernels_or_skip()
+    import torch
+
+    from cupy_rmsnorm.torch import patch_hf_rmsnorm
+    model = _tiny_model()
+    ids = e2e.token_ids(parse_args(TINY + ["--device", "cpu"]), 2, 8, offset=2)
+    ours = e2e.shared_weight_copy(model)
+    assert e2e.kernelize_ours(ours) == 2 * 2 + 1
+    assert set(e2e.kernelized_modules(ours)) == {p for p, m in model.named_modules() if e2e.is_hf_norm(m)}
+    assert not e2e.kernelized_modules(model)          # the base model keeps its norms
+    patched = e2e.shared_weight_copy(model)
+    assert patch_hf_rmsnorm(patched) == 5
+    assert torch.equal(e2e.logits_of(ours, ids), e2e.logits_of(patched, ids))
+
+
+class _Repository:
+    """A stand-in for a kernels LayerRepository: ``load`` raises ``error`` or returns ``layer``."""
+
+    def __init__(self, layer=None, error=None):
+        self.layer_name, self.repo_id, self._version = "LigerRMSNorm", "kernels-community/liger-kernels", 4
+        self.layer, self.error = layer, error
+
+    def load(self):
+        if self.error is not None:
+            raise self.error
+        return self.layer
+
+
+def _as_if_on_an_h100(monkeypatch):
+    """kernels picks a CUDA repository by the device's capability: an H100's, on any machine."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def test_hf_kernels_is_skipped_with_the_error_when_the_hub_is_out_of_reach(monkeypatch):
+    _kernels_or_skip()
+    _as_if_on_an_h100(monkeypatch)
+    offline = _Repository(error=OSError("We couldn't connect to the Hub"))
+    monkeypatch.setattr(e2e, "hf_kernel_entry", lambda: {"cuda": offline})
+    model = _tiny_model()
+    with pytest.raises(e2e.Skipped, match=r"RMSNorm kernel \(kernels-community/liger-kernels LigerRMSNorm "
+                                          r"\(version 4\)\) could not be loaded: OSError: We couldn't connect"):
+        e2e.kernelize_hf_default(model, "cuda")
+    assert not e2e.kernelized_modules(model)
+
+
+def test_hf_kernels_takes_transformers_rmsnorm_entry_alone_and_swaps_only_the_norms(monkeypatch):
+    _kernels_or_skip()
+    _as_if_on_an_h100(monkeypatch)
+    from torch import nn
+
+    class LigerRMSNorm(nn.Module):           # a stateless layer, as the Hub's
+        def forward(self, hidden_states):
+            return type(self).forward(self, hidden_states)
+    monkeypatch.setattr(e2e, "hf_kernel_entry", lambda: {"cuda": _Repository(layer=LigerRMSNorm)})
+    model = _tiny_model()
+    assert e2e.kernelize_hf_default(model, "cuda") == 2 * 2 + 1
+    swapped = e2e.kernelized_modules(model)
+    assert all(m.forward.__func__ is LigerRMSNorm.forward for m in swapped.values())
+    assert set(swapped) == {p for p, m in model.named_modules() if e2e.is_hf_norm(m)}   # not SiLU, not rotary
+    attention = model.model.layers[0].self_attn      # its apply_rotary_pos_emb wrapper kept as it was
+    assert all(getattr(f.__dict__.get("forward"), "__func__", type(f).forward) is type(f).forward
+               for f in getattr(attention, "_kernel_funcs", {}).values())
+
+
+def test_transformers_own_rmsnorm_entry_is_named_and_fails_as_a_skip_without_cuda():
+    _kernels_or_skip()
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the Hub kernel may load here")
+    entry = e2e.hf_kernel_entry()
+    assert "cuda" in entry and "LigerRMSNorm" in e2e.hf_kernel_repository(entry, "cuda")
+    assert e2e.hf_kernel_repository(entry, "cpu") == "no cpu repository"
+    with pytest.raises(e2e.Skipped, match=r"could not be loaded"):
+        e2e.kernelize_hf_default(_tiny_model(), "cuda")
+
+
+def test_the_report_counts_the_replaced_norms():
+    payload = _serving_payload()
+    payload["meta"].update(replaced_norms={"hf": 0, "ours": 5, "hf_kernels": 5},
+                           hf_kernels_layer="kernels-community/liger-kernels LigerRMSNorm (version 4)")
+    text = e2e.format_report(payload)
+    assert ("norm modules replaced: ours 5, hf_kernels 5 (hf_kernels: kernels-community/liger-kernels "
+            "LigerRMSNorm (version 4))") in text
+
+
+@requires_transformers
+def test_a_cpu_run_naming_the_kernels_variants_skips_them_as_ours(tmp_path):
+    argv = TINY + ["--device", "cpu", "--repeats", "1", "--variants", "kernelized,hf_kernels", "--out", str(tmp_path)]
+    assert cli.main(["e2e"] + argv) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["skipped"] == {"kernelized": "needs CUDA (--device cpu)", "hf_kernels": "needs CUDA (--device cpu)"}
+    assert set(payload["meta"]["variants"]) == {"hf", "kernelized", "hf_kernels"} and not payload["errors"]
+
+
+# -- --hf-kernels-repo: the hf_kernels layer from a local kernel repository instead of the Hub ---------------
+LOCAL_LAYER = '''
+import torch
+
+
+class {layer}(torch.nn.Module):                 # stateless, as the Hub's: HF's norm arithmetic, in torch
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+'''
+
+
+def _local_kernel_repository(root, layer):
+    """A kernel repository directory as ``hf download`` gives one (build/<variant>/metadata.json and the
+    package), its layer ``layer`` torch-only; metadata.json with the fields kernels 0.16 and 0.19 require.
+    Returns (its path, the kernel's module name)."""
+    variant = root / "build" / "torch-universal"
+    (variant / "e2e_test_norms").mkdir(parents=True)
+    (variant / "e2e_test_norms" / "__init__.py").write_text("from . import layers\n")
+    (variant / "e2e_test_norms" / "layers.py").write_text(LOCAL_LAYER.format(layer=layer))
+    module_id = f"_e2e_test_norms_{root.parent.name}_{layer}".replace("-", "_")   # kernels caches kernels by id
+    (variant / "metadata.json").write_text(json.dumps({
+        "id": module_id, "name": "e2e-test-norms", "version": 1, "license": "Apache-2.0", "python-depends": [],
+        "backend": {"type": "cuda"}}))
+    return str(root), module_id
+
+
+def test_hf_kernels_repo_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "liger").mkdir()
+    assert parse_args(["--variants", "hf_kernels", "--hf-kernels-repo", "liger"]).hf_kernels_repo == \
+        str(tmp_path / "liger")
+    assert parse_args([]).hf_kernels_repo is None
+
+
+def test_hf_kernels_loads_transformers_layer_from_the_local_repository(tmp_path, monkeypatch):
+    _kernels_or_skip()
+    _as_if_on_an_h100(monkeypatch)
+    import torch
+    entry = e2e.hf_kernel_entry()
+    repos = entry.get("cuda")
+    if repos is None:
+        pytest.skip("transformers' RMSNorm entry has no cuda repository")
+    by_mode = isinstance(repos, dict)             # kernels 0.11+: {mode: repository}; older: the repository
+    layer = (next(iter(repos.values())) if by_mode else repos).layer_name
+    path, module_id = _local_kernel_repository(tmp_path / "repo", layer)
+    local = e2e.hf_kernel_local_entry(entry, "cuda", path)      # the entry's modes and layer name, the local path
+    assert set(local) == {"cuda"} and isinstance(local["cuda"], dict) == by_mode
+    assert not by_mode or set(local["cuda"]) == set(repos)
+    for repo in (local["cuda"].values() if by_mode else [local["cuda"]]):
+        assert repo.layer_name == layer and str(repo._repo_path) == path
+
+    model = _tiny_model()
+    ids = e2e.token_ids(parse_args(TINY + ["--device", "cpu"]), 2, 8, offset=2)
+    local_model, replaced = e2e.make_variant("hf_kernels", model, "cuda", LLAMA, hf_kernels_repo=path)
+    assert replaced == 2 * 2 + 1
+    swapped = e2e.kernelized_modules(local_model)
+    assert set(swapped) == {p for p, m in model.named_modules() if e2e.is_hf_norm(m)}   # the norms, all of them
+    assert {m.forward.__func__.__module__ for m in swapped.values()} == {f"{module_id}.layers"}
+    assert not e2e.kernelized_modules(model)
+    assert torch.equal(e2e.logits_of(local_model, ids), e2e.logits_of(model, ids))   # HF's arithmetic, copied
+    source = e2e.hf_kernel_source("cuda", path)
+    assert source.startswith(f"the local copy {path}, in place of the Hub's ") and layer in source
+
+
+def test_hf_kernels_from_a_local_repository_without_the_layer_is_skipped_with_the_path(tmp_path, monkeypatch):
+    _kernels_or_skip()
+    _as_if_on_an_h100(monkeypatch)
+    path, _ = _local_kernel_repository(tmp_path / "repo", "SomeOtherNorm")
+    model = _tiny_model()
+    with pytest.raises(e2e.Skipped, match=re.escape(f"from the local copy {path}) could not be loaded")):
+        e2e.kernelize_hf_default(model, "cuda", path)
+    assert not e2e.kernelized_modules(model)
+
+
+@requires_transformers
+def test_a_cpu_run_records_the_local_repository(tmp_path):
+    (tmp_path / "repo").mkdir()
+    argv = TINY + ["--device", "cpu", "--repeats", "1", "--variants", "hf_kernels",
+                   "--hf-kernels-repo", str(tmp_path / "repo"), "--out", str(tmp_path)]
+    assert cli.main(["e2e"] + argv) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["meta"]["hf_kernels_repo"] == str(tmp_path / "repo")
+    assert payload["skipped"] == {"hf_kernels": "needs CUDA (--device cpu)"} and not payload["errors"]
+
+
+def test_the_report_names_the_local_copy():
+    payload = _serving_payload()
+    payload["meta"].update(replaced_norms={"hf_kernels": 5}, hf_kernels_layer="the local copy /x/liger, in place "
+                           "of the Hub's kernels-community/liger-kernels LigerRMSNorm (version 4)")
+    assert "hf_kernels 5 (hf_kernels: the local copy /x/liger, in place of the Hub's" in e2e.format_report(payload)
