@@ -39,7 +39,9 @@ def _float32_scalar(value, name, what):
         f = math.inf
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
-    if not math.isfinite(f) or abs(f) > FLOAT32_MAX or (what and f < 0):
+    # comparisons, not math.isfinite: under torch.compile a float option may be symbolic (a
+    # module's eps seen with several values), which comparisons take and math.isfinite does not
+    if not abs(f) <= FLOAT32_MAX or (what and f < 0):     # (NaN compares false)
         raise ValueError(f"{name} must be finite{what} in float32 (|{name}| <= {FLOAT32_MAX:.4g}), "
                          f"got {value!r}")
     return f

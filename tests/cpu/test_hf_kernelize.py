@@ -229,9 +229,6 @@ def test_training_and_compile_together():
     original = _llama()
     ids = _ids()
     model = rnhf.kernelize(copy.deepcopy(original), mode="training+compile").train()
-    # a fresh dynamo: after other models' compiles (xdist's order) the shared forward's frame may
-    # take a float option as dynamic (automatic dynamic), which the validation's math.isfinite can't trace
-    torch._dynamo.reset()
     grads = []
     for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
         model.zero_grad()

@@ -186,6 +186,21 @@ def test_traced_scalars_are_checked_at_trace_time():
         _trace(lambda x: rn.rms_norm(x, eps=-1.0), torch.randn(2, 8))
 
 
+def test_modules_of_several_eps_compile_in_one_process():
+    """The same forward compiled for several eps: dynamo then takes eps as symbolic (automatic
+    dynamic), which the scalar checks must trace (math.isfinite does not)."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 64)
+    for module in (rnt.RMSNorm(64, eps=1e-6), rnt.RMSNorm(64, eps=1e-5), rnt.RMSNorm(64, eps=1e-4),
+                   rnt.LayerNorm(64, eps=1e-5), rnt.LayerNorm(64, eps=1e-6), rnt.LayerNorm(64, eps=1e-3)):
+        with torch.no_grad():
+            module.weight.normal_()
+        expected = module(x)
+        assert torch.equal(torch.compile(module, fullgraph=True)(x), expected)
+    with pytest.raises(Exception, match="eps must be finite"):
+        torch.compile(rnt.RMSNorm(64, eps=-1.0), fullgraph=True)(x)
+
+
 def test_compiling_before_the_ops_are_registered_says_what_to_do():
     """torch imported after cupy_rmsnorm and compiled before any tensor reached it: a
     RuntimeError naming the fix, not dynamo tripping over the library's Python."""
