@@ -10,15 +10,16 @@
 #   2. sanitize   compute-sanitizer memcheck / racecheck / initcheck of the grids in
 #                 scripts/sanitize/ (scripts/sanitize.sh)               -> OUTDIR/sanitize.log, OUTDIR/sanitize/
 #   3. host       per-call host cost (benchmarks/host_overhead.py)      -> OUTDIR/host_overhead.{json,log}
-#   4. reports    only with REPORTS=1: python -m cupy_rmsnorm.bench forward, backward, quant,
-#                 qk_rope, e2e and train --out OUTDIR/reports --name <report>
-#                                                                       -> OUTDIR/reports/, OUTDIR/report_<name>.log
+#   4. reports    only with REPORTS=1: each committed report of benchmarks/results/ re-made with
+#                 the command docs/performance.md publishes for it (report_command below),
+#                 --out OUTDIR/reports --name <report>  -> OUTDIR/reports/, OUTDIR/report_<name>.log
 # then a summary: the GPU, pytest's summary line, one line per sanitizer tool and grid, and
 # each step's exit status. Exits non-zero when a step that ran failed.
 #
 # Environment (all optional):
 #   SKIP_TESTS=1 SKIP_SANITIZE=1 SKIP_HOST=1   leave a step out
-#   REPORTS=1                    run step 4 too; REPORT_NAMES="forward quant" picks reports
+#   REPORTS=1                    run step 4 too; REPORT_NAMES="forward quant" picks reports (default:
+#                                all nine; quant and qk_rope add --flashinfer .flashinfer where it exists)
 #   REPORT_ARGS="--quick"        extra options for every report
 #   TESTS_S=330 SANITIZE_S=300 HOST_S=60 REPORT_S=600   time limits in seconds (per step; per report)
 #   PYTEST_ARGS="-n 4"           replaces "-n 8"; TEST_PATHS="tests/gpu" replaces "tests"
@@ -77,13 +78,36 @@ if [ "${SKIP_HOST:-0}" != 1 ]; then
     step host "$rc"
 fi
 
+# The sub-command and options of each committed report, as docs/performance.md publishes them.
+report_command() {
+    local flashinfer=""
+    [ -d .flashinfer/include ] && flashinfer="--flashinfer .flashinfer"
+    case "$1" in
+        forward)    echo "forward --dtypes bf16,fp16 --modes graph,cold --compile static" ;;
+        backward)   echo "backward --dtypes bf16,fp16 --modes graph,cold" ;;
+        quant)      echo "quant --dtypes bf16 --modes graph $flashinfer" ;;
+        gated)      echo "gated" ;;
+        qk_rope)    echo "qk_rope $flashinfer" ;;
+        layer_norm) echo "layer_norm" ;;
+        e2e)        echo "e2e --repeats 3 --agree-tokens 512" ;;
+        e2e_qwen3)  echo "e2e --model qwen3 --repeats 3 --agree-tokens 512" ;;
+        train)      echo "train" ;;
+        *)          return 1 ;;
+    esac
+}
+
 if [ "${REPORTS:-0}" = 1 ]; then
     mkdir -p "$out/reports"
-    for name in ${REPORT_NAMES:-forward backward quant qk_rope e2e train}; do
+    for name in ${REPORT_NAMES:-forward backward quant gated qk_rope layer_norm e2e e2e_qwen3 train}; do
         echo "== report $name ($SECONDS s)"
+        if ! command=$(report_command "$name"); then
+            echo "no such report: $name"
+            step "report $name" 2
+            continue
+        fi
         # SIGINT at the limit: a report saves what it measured
-        # shellcheck disable=SC2086  # REPORT_ARGS is a list of options on purpose
-        timeout -s INT -k 20 "${REPORT_S:-600}" "$PY" -m cupy_rmsnorm.bench "$name" --out "$out/reports" \
+        # shellcheck disable=SC2086  # the command and REPORT_ARGS are lists of options on purpose
+        timeout -s INT -k 20 "${REPORT_S:-600}" "$PY" -m cupy_rmsnorm.bench $command --out "$out/reports" \
             --name "$name" ${REPORT_ARGS:-} >"$out/report_$name.log" 2>&1
         rc=$?
         tail -20 "$out/report_$name.log"

@@ -97,3 +97,21 @@ def test_docs_carry_no_run_names():
             hits = [line for line in f if pattern.search(line)]
         assert not hits, f"{name}: {hits[:3]}"
     assert sys.version_info >= (3, 10)
+
+
+def test_gpu_check_remakes_every_report_as_published():
+    """scripts/gpu_check.sh's report_command has each committed report, with the sub-command and
+    options docs/performance.md publishes for it, and REPORTS=1 makes all of them by default."""
+    with open(os.path.join(ROOT, "scripts", "gpu_check.sh"), encoding="utf-8") as f:
+        script = f.read()
+    commands = dict(re.findall(r'^\s+(\w+)\)\s+echo "([^"]*)" ;;$', script, re.M))
+    defaults = re.search(r'REPORT_NAMES:-([\w ]+)\}', script).group(1).split()
+    with open(os.path.join(ROOT, "docs", "performance.md"), encoding="utf-8") as f:
+        published = f.read()
+    committed = {n[:-5] for n in os.listdir(os.path.join(ROOT, "benchmarks", "results")) if n.endswith(".json")}
+    assert committed <= set(commands) and set(defaults) == set(commands), (committed, commands, defaults)
+    for name, command in commands.items():
+        command = command.replace("$flashinfer", "").strip()
+        # the whole option list: followed by the output options or the line's end
+        assert re.search(rf"python -m cupy_rmsnorm\.bench {re.escape(command)}( --out| --name|$)", published, re.M), \
+            (name, command)
