@@ -36,8 +36,6 @@ class BackwardArrays(NamedTuple):
 
 
 B_DY, B_X, B_D_RESIDUAL_OUT, B_WEIGHT = range(4)   # BackwardArrays positions
-
-
 BACKWARD_ROWS = (B_DY, B_X, B_D_RESIDUAL_OUT)       # the arrays of x's shape
 
 
@@ -104,8 +102,6 @@ def backward_layout(kind, arrays, metas, copied=False, meta_of=None):
 
 
 BACKWARD_PARAMS_BYTES = 112
-
-
 BACKWARD_PARAMS_DTYPE = np.dtype([
     ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
     ("dy", "<i8", (2,)), ("x", "<i8", (2,)), ("d_residual_out", "<i8", (2,)), ("dx", "<i8", (2,)),

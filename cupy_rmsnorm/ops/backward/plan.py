@@ -5,55 +5,33 @@ from dataclasses import dataclass
 
 from ..._plan import MAX_BLOCK, WARP, WARP_VARIANT_BLOCK, _ceil_div, _chunks, _pow2_ceil
 
-"""
-
-from dataclasses import dataclass
-The backward's plans: the register, row and staged kernels' geometry, fitted to a kernel's occupancy; pure functions, tested on a CPU."""
 
 # -- backward --------------------------------------------------------------------------------
 # The backward keeps two arrays of the row (dy and x) and this thread's dweight sums in
 # registers: one vector per thread in block-per-row groups (two measured 80-126 registers
 # with ptxas -v, sm_90, bf16), two in the warp groups of short rows.
 BACKWARD_MAX_VECS_PER_THREAD = 2     # warp groups (rows of up to 64 vectors)
-
-
 BACKWARD_GROUP_VECTORS = 64          # rows up to here: groups of 8..32 threads share a block
-
-
 BACKWARD_STREAM_THREADS = 512        # rows past MAX_BLOCK vectors stream through blocks this size
-
-
 # Resident threads per SM the grid aims for: 2 x 16 bytes in flight per thread is enough
 # bytes in flight to stream (H200), and each block adds a row of partial sums to reduce.
 BACKWARD_THREADS_PER_SM = 1024
-
-
 BACKWARD_GROUPS_BLOCK = WARP_VARIANT_BLOCK   # the kernel's block when groups share it (GROUPS)
-
-
 # Staged rows (sm_90 bulk copies into a ring of shared-memory stages; 16-byte vectors on the
 # 16-byte grid): blocks of up to STAGED_THREADS threads, one vector each per step, and
 # 2..BACKWARD_MAX_STAGES rows a block in flight, as many as its share of the SM's shared
 # memory holds.
 BACKWARD_STAGED_THREADS = 512
-
-
 # Stages a block keeps: as many as fit, up to BACKWARD_MAX_STAGES; fewer blocks an SM rather
 # than fewer stages (bf16, 8192-wide rows: one block of four stages 66.1 us at 4096 rows,
 # 212.3 at 16384, against two blocks of three, 69.8 and 228.4).
 BACKWARD_MAX_STAGES = 4
-
-
 # Staged only from this many rows per SM: with fewer, the ring has little to hide and the
 # register kernel was faster (bf16, rms: 1024 x 4096, 7.8 rows an SM, 14.4
 # vs 18.3 us; 2048 x 4096, 15.5 an SM, 26.4 staged vs 30.1; 4096 rows, 31 an SM: 40.8 vs
 # 53.3 at hidden 4096, 14.7 vs 17.5 at 1024). Between the two measured points: 12.
 BACKWARD_STAGED_MIN_ROWS_PER_SM = 12
-
-
 BACKWARD_STAGED_MAX_VECS = 4         # steps per row (registers: weights and sums, 16 a step; 8 spill)
-
-
 # Rows staged two at a time (their sums share the block's barriers): the staged geometry
 # (threads, steps) -> the geometry that takes them in pairs, from so many rows an SM.
 # - 512 x 1 (257-512 vectors) -> half the threads with two steps each: two blocks of 256 an
@@ -65,27 +43,15 @@ BACKWARD_STAGED_MAX_VECS = 4         # steps per row (registers: weights and sum
 # - 128 x 1 (65-128 vectors) -> the same geometry, four blocks an SM, six stages
 #   (BACKWARD_PAIRED_STAGES), wherever rows are staged.
 BACKWARD_PAIRED_GEOMETRY = {(BACKWARD_STAGED_THREADS, 1): (256, 2), (128, 1): (128, 1)}
-
-
 BACKWARD_PAIRED_MIN_ROWS_PER_SM = {(BACKWARD_STAGED_THREADS, 1): 24, (128, 1): BACKWARD_STAGED_MIN_ROWS_PER_SM}
-
-
 # The stages of a block taking rows in pairs, by its geometry (others: BACKWARD_MAX_STAGES),
 # and (BACKWARD_PAIRED_FEW_ROWS_STAGES) the fewer stages of blocks with at most so many rows:
 # 128 x 1 pairs with four stages took 0.95-0.98 of six's time at 5-10 rows a block (A/B, bf16,
 # fp16 and fp32), 0.97-1.05 at 12, 1.02-1.09x from 16.
 BACKWARD_PAIRED_STAGES = {(128, 1): 6}
-
-
 BACKWARD_PAIRED_FEW_ROWS_STAGES = {(128, 1): (10, 4)}
-
-
 SHARED_RESERVED_PER_BLOCK = 1024     # what CUDA keeps of each block's shared memory
-
-
 BACKWARD_STATIC_SHARED = 256         # the staged kernel's static shared memory (row_sums) a row a step, rounded up
-
-
 STAGE_BARRIER_BYTES = 8
 
 

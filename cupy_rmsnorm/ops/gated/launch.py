@@ -148,17 +148,9 @@ def gated_backward_layout(kind, arrays, metas, group_size):
 # -- gated: enum GatedFlags, enum Activation, struct GatedParams / GatedBackwardParams ------------
 # (kernels/rms_norm_gated.cu; the backward's flags also take BACKWARD_FLAGS' kWeightGrad, kDirectWeight)
 GATED_FLAGS = {"kRoundProduct": 256}
-
-
 ROUND_PRODUCT = GATED_FLAGS["kRoundProduct"]
-
-
 ACTIVATION_IDS = {"silu": 0, "sigmoid": 1}
-
-
 GATED_PARAMS_BYTES = 88
-
-
 GATED_PARAMS_DTYPE = np.dtype([
     ("rows", "<i8"), ("n_inner", "<i8"), ("x", "<i8", (2,)), ("gate", "<i8", (2,)), ("out", "<i8", (2,)),
     ("hidden", "<i4"), ("groups", "<i4"), ("eps", "<f4"), ("weight_offset", "<f4"), ("flags", "<i4"), ("unused", "<i4"),
@@ -167,8 +159,6 @@ assert GATED_PARAMS_DTYPE.itemsize == GATED_PARAMS_BYTES
 
 
 GATED_BACKWARD_PARAMS_BYTES = 128
-
-
 GATED_BACKWARD_PARAMS_DTYPE = np.dtype([
     ("rows", "<i8"), ("n_inner", "<i8"), ("rows_per_block", "<i8"),
     ("dy", "<i8", (2,)), ("x", "<i8", (2,)), ("gate", "<i8", (2,)), ("dx", "<i8", (2,)), ("dgate", "<i8", (2,)),

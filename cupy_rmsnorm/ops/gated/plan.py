@@ -12,10 +12,6 @@ from ..._plan import (
 )
 from ..backward.plan import BACKWARD_THREADS_PER_SM
 
-"""
-
-from dataclasses import dataclass
-The gated op's plans, forward and backward; pure functions, tested on a CPU."""
 
 def gated_plan(rows, hidden, itemsize, vec, sm_count, **forced):
     """The gated forward's plan for ``rows`` groups of ``hidden`` elements: launch_plan's
@@ -27,11 +23,7 @@ def gated_plan(rows, hidden, itemsize, vec, sm_count, **forced):
 
 
 GATED_BACKWARD_GROUP_VECTORS = 64      # up to here: groups of 8..32 threads share a block of 256
-
-
 GATED_BACKWARD_ONE_VECTOR = 512        # up to here: a block of one vector a thread (64 registers)
-
-
 GATED_BACKWARD_THREADS = 512           # past that: 512 threads, two vectors each, then streamed
 
 

@@ -54,8 +54,6 @@ class QkRopeBackwardArrays(NamedTuple):
 
 
 QK_ROPE_OUTPUTS = (8, 9)                            # QkRopeArrays positions of out_q, out_k
-
-
 QK_ROPE_FRESH = {"out_q": "q", "out_k": "k", "dq": "q", "dk": "k"}   # an output and the input it is shaped like
 
 
@@ -257,14 +255,8 @@ def _check_qk_rope_overlap(outputs, metas, levels, spans, extents):
 # -- QK norm + RoPE: enum QkRopeFlags, struct QkRopeParams / QkRopeBackwardParams -----------------
 # (kernels/qk_norm_rope.cu; the backward's flags also take BACKWARD_FLAGS' kWeightGrad, kDirectWeight)
 QK_ROPE_FLAGS = {"kInt64Positions": 512}
-
-
 INT64_POSITIONS = QK_ROPE_FLAGS["kInt64Positions"]
-
-
 QK_ROPE_PARAMS_BYTES = 208
-
-
 QK_ROPE_PARAMS_DTYPE = np.dtype([
     ("tokens", "<i8"), ("n_inner", "<i8"),
     ("q", "<i8", (2,)), ("k", "<i8", (2,)), ("out_q", "<i8", (2,)), ("out_k", "<i8", (2,)),
@@ -278,8 +270,6 @@ assert QK_ROPE_PARAMS_DTYPE.itemsize == QK_ROPE_PARAMS_BYTES
 
 
 QK_ROPE_BACKWARD_PARAMS_BYTES = 264
-
-
 QK_ROPE_BACKWARD_PARAMS_DTYPE = np.dtype([
     ("tokens", "<i8"), ("n_inner", "<i8"), ("items_per_block", "<i8"),
     ("dq_out", "<i8", (2,)), ("dk_out", "<i8", (2,)), ("q", "<i8", (2,)), ("k", "<i8", (2,)),
@@ -314,8 +304,6 @@ def qk_rope_backward_instantiation_name(dtype, weight_dtype, table_dtype, plan, 
 # The forward kernel's pointer slots, by argument (the cache takes cos's slot in its convention).
 QK_ROPE_SLOTS = {"q": 0, "k": 1, "out_q": 2, "out_k": 3, "q_weight": 4, "k_weight": 5, "cos": 6, "cos_sin_cache": 6,
                  "sin": 7, "positions": 8}
-
-
 _HEAD_MAJOR = ("q", "k", "out_q", "out_k")
 
 

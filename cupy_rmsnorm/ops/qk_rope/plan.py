@@ -6,27 +6,15 @@ from dataclasses import dataclass
 from ..._plan import MAX_GRID_X, WARP, _ceil_div, _chunks, _is_power_of_two, _pow2_ceil
 from ..backward.plan import BACKWARD_THREADS_PER_SM
 
-"""
-
-from dataclasses import dataclass
-QK norm + RoPE's plans, forward and backward: threads per head, tokens per block; pure functions, tested on a CPU."""
 
 # -- QK norm + RoPE ----------------------------------------------------------------------------
 # A head is kept in the registers of one group of up to 32 threads, from its load to its store
 # (kernels/qk_norm_rope.cu); past 512 channels a thread would hold more than 16 of a 16-bit head
 # and the backward's sums would spill.
 QK_ROPE_MAX_HEAD_DIM = 512
-
-
 QK_ROPE_TOKEN_THREADS = 512      # the most threads a forward block gives one token's heads
-
-
 QK_ROPE_BLOCK = 256              # a forward block takes several tokens while it has fewer threads
-
-
 QK_ROPE_EXCHANGE_BLOCK = 256     # blocks exchanging a head through shared memory (pairs 0): at most
-
-
 QK_ROPE_BACKWARD_BLOCK = 256     # the backward's blocks (kernels/qk_norm_rope_backward.cu: kQkBackwardBlock)
 
 

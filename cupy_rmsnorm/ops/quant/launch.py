@@ -39,11 +39,7 @@ class QuantArrays(NamedTuple):
 
 
 SCALE, SCALES = 5, 6                 # QuantArrays positions beyond Arrays'
-
-
 QUANT_NAMES = Arrays._fields + ("scale", "scales_out")     # the arguments' names, for messages
-
-
 TMA_ALIGN_ROWS = 4                   # per-group scales: a column of rows padded to 16 bytes
 
 
@@ -157,14 +153,8 @@ def _check_quant_overlap(layout, metas):
 
 # -- quantized forms: enum QuantForm, enum QuantType, struct QuantParams (kernels/quant.cuh) -----
 QUANT_FORM_IDS = {"static": 1, "per_token": 2, "per_group": 3}
-
-
 QUANT_TYPES = {"float8_e4m3fn": 0, "float8_e5m2": 1, "int8": 2}
-
-
 QUANT_PARAMS_BYTES = 24
-
-
 QUANT_PARAMS_DTYPE = np.dtype([("scales_row", "<i8"), ("scales_group", "<i8"), ("scale_ub", "<f4"),
                                ("pad", "<i4")])
 assert QUANT_PARAMS_DTYPE.itemsize == QUANT_PARAMS_BYTES

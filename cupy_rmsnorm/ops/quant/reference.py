@@ -15,11 +15,7 @@ from ..._reference import _normalized, _summed
 QUANT_DTYPES = {"float8_e4m3fn": (ml_dtypes.float8_e4m3fn, 448.0),
                 "float8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
                 "int8": (np.dtype(np.int8), 127.0)}
-
-
 GROUP_SIZES = (128,)
-
-
 MIN_SCALE_DIVISOR = 512.0   # MIN_SCALE = 1 / (QMAX * 512) (vLLM's): an all-zero row gives zeros, not NaN
 
 
