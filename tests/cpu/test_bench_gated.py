@@ -312,7 +312,8 @@ def test_no_gpu_exits_3_pointing_to_the_committed_report(monkeypatch, capsys):
     assert out.err.startswith("cupy-rmsnorm-bench gated: no CUDA GPU available, nothing measured "
                               "(CUDARuntimeError: no device). The committed report: ")
     replot = out.err.split("The committed report: ")[1].split()
-    assert replot == ["python", "-m", "cupy_rmsnorm.bench", "gated", "--replot", common.committed_report("gated")]
+    assert replot == [common.python_command(), "-m", "cupy_rmsnorm.bench", "gated", "--replot",
+                      common.committed_report("gated")]
     assert replot[-1].replace(os.sep, "/").endswith("benchmarks/results/gated.json")
 
 

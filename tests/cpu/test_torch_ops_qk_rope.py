@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch", reason="torch op tests: torch is not instal
 
 import cupy_rmsnorm as rn  # noqa: E402
 import cupy_rmsnorm.torch as rnt  # noqa: E402
+from cupy_rmsnorm.bench.serving import cache_keyword  # noqa: E402
 from cupy_rmsnorm.torch import _fuse_qk_rope, _fuse_residuals, _qk_rope_rewrite  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
@@ -363,7 +364,9 @@ def test_fuse_qk_rope_rewrites_each_attention_module(moe):
     assert type(attn).__name__ == ("Qwen3MoeAttention" if moe else "Qwen3Attention")
     assert "forward" in vars(attn) and type(attn).forward is not attn.forward.__func__
     interfaces, eager, sliding, update_takes_kwargs = attn._cupy_rmsnorm_qk_rope
-    assert callable(eager) and hasattr(interfaces, "get_interface") and sliding and update_takes_kwargs
+    assert callable(eager) and hasattr(interfaces, "get_interface") and sliding
+    # transformers 5.24 on names the cache `cache` and passes the call's keywords to its update
+    assert update_takes_kwargs is (cache_keyword(model) == "cache")
     with torch.no_grad():
         calls = op_calls(trace_graphs(lambda ids: model(input_ids=ids, use_cache=False).logits,
                                       torch.randint(3, 100, (2, 8))))
@@ -384,7 +387,7 @@ def test_rewritten_attention_traces_with_a_cache(cache):
                                                                                     max_cache_len=16)
 
     def run(ids):
-        return model(input_ids=ids, cache=made, use_cache=True).logits
+        return model(input_ids=ids, use_cache=True, **{cache_keyword(model): made}).logits
 
     with torch.no_grad():
         calls = op_calls(trace_graphs(run, ids))
@@ -416,8 +419,8 @@ def test_rewritten_model_matches_hugging_face(moe):
     hf_cache, our_cache = DynamicCache(config=hf.config), DynamicCache(config=ours.config)
     for step in (ids[:, :5], ids[:, 5:6], ids[:, 6:7]):          # prefill, then two decode steps
         with torch.no_grad():
-            want = hf(input_ids=step, cache=hf_cache, use_cache=True).logits
-        got = ours(input_ids=step, cache=our_cache, use_cache=True).logits
+            want = hf(input_ids=step, use_cache=True, **{cache_keyword(hf): hf_cache}).logits
+        got = ours(input_ids=step, use_cache=True, **{cache_keyword(ours): our_cache}).logits
         torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-4)
 
 
